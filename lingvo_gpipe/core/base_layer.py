@@ -1,0 +1,173 @@
+"""BaseLayer: a `tf.Module` configured by Params whose FProp is a pure function of theta.
+
+Layers build children and variables in `__init__` and compute in
+`FProp(theta, *inputs)`, reading weights only from `theta`. Because the forward
+pass is a function of (theta, inputs), the pipeline can re-run it on any device,
+for any micro-batch, and get the same numbers.
+"""
+
+import contextlib
+import contextvars
+import zlib
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import py_utils
+
+# The layer whose __init__ is running, so a child learns its path and seed.
+_PARENT = contextvars.ContextVar('lingvo_gpipe_parent_layer', default=None)
+
+
+@contextlib.contextmanager
+def _ParentScope(layer):
+  token = _PARENT.set(layer)
+  try:
+    yield
+  finally:
+    _PARENT.reset(token)
+
+
+class BaseLayer(tf.Module):
+  """Base class of all layers."""
+
+  @classmethod
+  def Params(cls):
+    """Params of this layer class; `p.Instantiate()` builds one."""
+    p = hyperparams.InstantiableParams(cls)
+    p.Define('name', '', 'Layer name: the last component of its variable path.')
+    p.Define('dtype', tf.float32, 'Dtype of the variables.')
+    p.Define('fprop_dtype', None,
+             'Dtype of activations; None inherits the parent\'s, else `dtype`.')
+    p.Define('random_seed', None,
+             'Seed of initial values and random ops; None inherits the parent\'s (0 at the top).')
+    p.Define('params_init', py_utils.WeightInit.Xavier(),
+             'Initializer of variables whose WeightParams name none.')
+    return p
+
+  def __init__(self, params):
+    if not params.name:
+      raise ValueError(f'{type(self).__name__} params need a non-empty name.')
+    if not params.name.isidentifier():
+      raise ValueError(f'Layer name {params.name!r} is invalid: expected an identifier.')
+    super().__init__(name=params.name)
+    parent = _PARENT.get()
+    p = params.Copy()
+    if p.random_seed is None:
+      p.random_seed = parent.params.random_seed if parent else 0
+    if p.fprop_dtype is None:
+      p.fprop_dtype = parent.params.fprop_dtype if parent else p.dtype
+    self._params = p.Freeze()
+    self._path = f'{parent.path}/{p.name}' if parent else p.name
+    self._variables_dict = {}
+    self._children_dict = {}
+
+  @property
+  def params(self):
+    """The frozen params this layer was built from."""
+    return self._params
+
+  @property
+  def path(self):
+    """'parent/child/...': prefixes variable names and seeds."""
+    return self._path
+
+  @property
+  def layer_seed(self):
+    """An integer seed for this layer's random ops, distinct per path."""
+    return (int(self.params.random_seed) * 1000003 + zlib.crc32(self.path.encode())) & 0x7FFFFFFF
+
+  @property
+  def fprop_dtype(self):
+    return self.params.fprop_dtype
+
+  def __getattr__(self, name):
+    children = self.__dict__.get('_children_dict')
+    if children is not None and name in children:
+      return children[name]
+    raise AttributeError(f'{type(self).__name__} {self.__dict__.get("_path", "?")!r} '
+                         f'has no attribute or child {name!r}.')
+
+  # -- construction ------------------------------------------------------------
+
+  def _CheckNewName(self, name):
+    if not name.isidentifier():
+      raise ValueError(f'Child or variable name {name!r} is invalid: expected an identifier.')
+    if name in self._children_dict or name in self._variables_dict:
+      raise ValueError(f'{self.path}: {name!r} is already a child or variable.')
+
+  def _Build(self, name, p):
+    p = p.Copy()
+    p.name = name
+    with _ParentScope(self):
+      return p.Instantiate()
+
+  def CreateChild(self, name, p):
+    """Builds child layer `name` from params `p`; reachable as self.<name>."""
+    self._CheckNewName(name)
+    child = self._Build(name, p)
+    self._children_dict[name] = child
+    return child
+
+  def CreateChildren(self, name, params_list):
+    """Builds a list of children; each is named by its params' name, else name<i>."""
+    self._CheckNewName(name)
+    names = [p.name or f'{name}{i}' for i, p in enumerate(params_list)]
+    if len(set(names)) != len(names):
+      raise ValueError(f'{self.path}: children of {name!r} have duplicate names {names}.')
+    children = [self._Build(n, p) for n, p in zip(names, params_list)]
+    self._children_dict[name] = children
+    return children
+
+  def CreateVariable(self, name, weight_params):
+    """Creates variable `name`; its initial value depends only on the seed and path."""
+    self._CheckNewName(name)
+    wp = weight_params
+    dtype = wp.dtype or self.params.dtype
+    init = wp.init or self.params.params_init
+    path = f'{self.path}/{name}'
+    seed = py_utils.PathSeed(self.params.random_seed, path)
+    value = py_utils.InitialValue(init, wp.shape, dtype, seed)
+    var = tf.Variable(value, name=path, trainable=wp.trainable)
+    self._variables_dict[name] = var
+    return var
+
+  # -- theta ------------------------------------------------------------------
+
+  @property
+  def vars(self):
+    """NestedMap of this layer's variables, mirroring the child tree."""
+    out = py_utils.NestedMap(self._variables_dict)
+    for name, child in self._children_dict.items():
+      out[name] = [c.vars for c in child] if isinstance(child, list) else child.vars
+    return out
+
+  @property
+  def theta(self):
+    """The values FProp reads: by default the variables themselves."""
+    return self.vars
+
+  def ToFPropDtype(self, value):
+    """Casts floating tensors (theta or activations) to the activation dtype."""
+    def Cast(x):
+      x = tf.convert_to_tensor(x)
+      return tf.cast(x, self.fprop_dtype) if x.dtype.is_floating else x
+    return tf.nest.map_structure(Cast, value)
+
+  # -- computation -------------------------------------------------------------
+
+  def FProp(self, theta, *args, **kwargs):
+    """The forward computation, a pure function of theta and the inputs."""
+    raise NotImplementedError(f'{type(self).__name__}.FProp')
+
+  def __call__(self, *args, **kwargs):
+    return self.FProp(self.theta, *args, **kwargs)
+
+  @classmethod
+  def HasFPropMeta(cls):
+    return cls.FPropMeta.__func__ is not BaseLayer.FPropMeta.__func__
+
+  @classmethod
+  def FPropMeta(cls, params, *input_shapes):
+    """NestedMap(flops=..., out_shapes=(...)) for partitioning; optional."""
+    raise NotImplementedError(f'{cls.__name__} has no FPropMeta.')

@@ -1,0 +1,256 @@
+"""NestedMap, weight specifications, seeds and the scoped FProp context."""
+
+import contextlib
+import contextvars
+import dataclasses
+import zlib
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import hyperparams
+
+_DICT_ATTRS = frozenset(dir(dict))
+
+
+class NestedMap(dict):
+  """A dict with attribute access; `tf.nest` treats it as a dict.
+
+  Keys are identifiers, so `m.a.b` reads like a struct and flattening is
+  deterministic (sorted keys).
+  """
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    for key in self:
+      self._CheckKey(key)
+
+  @staticmethod
+  def _CheckKey(key):
+    if not isinstance(key, str) or not key.isidentifier() or key in _DICT_ATTRS:
+      raise ValueError(f'NestedMap key {key!r} is invalid: expected an identifier '
+                       'that is not a dict attribute.')
+
+  def __setitem__(self, key, value):
+    self._CheckKey(key)
+    super().__setitem__(key, value)
+
+  def __getattr__(self, name):
+    try:
+      return self[name]
+    except KeyError:
+      raise AttributeError(f'NestedMap has no key {name!r}; keys: {sorted(self)}.') from None
+
+  def __setattr__(self, name, value):
+    self[name] = value
+
+  def __delattr__(self, name):
+    try:
+      del self[name]
+    except KeyError:
+      raise AttributeError(f'NestedMap has no key {name!r}.') from None
+
+  def copy(self):
+    return NestedMap(self)
+
+  def DeepCopy(self):
+    return tf.nest.map_structure(lambda x: x, self)
+
+  def Flatten(self):
+    """Leaves in `tf.nest` order."""
+    return tf.nest.flatten(self)
+
+  def FlattenItems(self):
+    """(dotted key, leaf) pairs in `tf.nest` order; list items read 'a[0]'."""
+    return list(_FlattenItems(self, ''))
+
+  def Pack(self, values):
+    """A structure like self with `values` as its leaves."""
+    return tf.nest.pack_sequence_as(self, list(values))
+
+  def Transform(self, fn):
+    """Applies fn to every leaf."""
+    return tf.nest.map_structure(fn, self)
+
+  def Filter(self, fn):
+    """Keeps leaves where fn(leaf) is true; drops emptied sub-maps and lists."""
+    kept = _Filter(self, fn)
+    return NestedMap() if kept is _DROPPED else kept
+
+  def IsCompatible(self, other):
+    """True when `other` has the same nested structure (keys and list lengths)."""
+    try:
+      tf.nest.assert_same_structure(self, other, check_types=False)
+    except (ValueError, TypeError):
+      return False
+    return True
+
+  def DebugString(self):
+    """One 'key  value' line per leaf, sorted by key."""
+    items = self.FlattenItems()
+    width = max((len(k) for k, _ in items), default=0)
+    return '\n'.join(f'{k:<{width}}  {_Describe(v)}' for k, v in items)
+
+
+def _Describe(value):
+  """Tensors and variables as dtype[shape]; other leaves as repr."""
+  if hasattr(value, 'dtype') and hasattr(value, 'shape'):
+    return f'{tf.as_dtype(value.dtype).name}{list(value.shape)}'
+  return repr(value)
+
+
+def _FlattenItems(value, prefix):
+  if isinstance(value, dict):
+    for key in sorted(value):
+      yield from _FlattenItems(value[key], f'{prefix}.{key}' if prefix else key)
+  elif isinstance(value, (list, tuple)):
+    for i, v in enumerate(value):
+      yield from _FlattenItems(v, f'{prefix}[{i}]')
+  else:
+    yield prefix, value
+
+
+_DROPPED = object()
+
+
+def _Filter(value, fn):
+  if isinstance(value, dict):
+    kept = ((k, _Filter(v, fn)) for k, v in value.items())
+    out = type(value)((k, v) for k, v in kept if v is not _DROPPED)
+    return out if out or not value else _DROPPED
+  if isinstance(value, (list, tuple)):
+    kept = [v for v in (_Filter(v, fn) for v in value) if v is not _DROPPED]
+    return type(value)(kept) if kept or not value else _DROPPED
+  return value if fn(value) else _DROPPED
+
+
+# -- weights -----------------------------------------------------------------
+
+
+class WeightInit:
+  """Factories for initializer specs (Params, so they print and parse)."""
+
+  @staticmethod
+  def _Spec(method, scale):
+    p = hyperparams.Params()
+    p.Define('method', method, 'Initializer name.')
+    p.Define('scale', scale, 'Scale (std, bound, gain or constant value).')
+    return p
+
+  @staticmethod
+  def Gaussian(scale=1.0):
+    """Normal(0, scale)."""
+    return WeightInit._Spec('gaussian', float(scale))
+
+  @staticmethod
+  def Uniform(scale=1.0):
+    """Uniform(-scale, scale)."""
+    return WeightInit._Spec('uniform', float(scale))
+
+  @staticmethod
+  def Xavier(scale=1.0):
+    """Glorot uniform: bound = scale * sqrt(6 / (fan_in + fan_out))."""
+    return WeightInit._Spec('xavier', float(scale))
+
+  @staticmethod
+  def Constant(value=0.0):
+    """Every element equals `value`."""
+    return WeightInit._Spec('constant', float(value))
+
+
+def WeightParams(shape, init=None, dtype=None, trainable=True):
+  """What CreateVariable needs: shape, initializer spec, dtype, trainability."""
+  p = hyperparams.Params()
+  p.Define('shape', list(shape), 'Variable shape.')
+  p.Define('init', init, 'A WeightInit spec; None takes the layer params_init.')
+  p.Define('dtype', dtype, 'Variable dtype; None takes the layer dtype.')
+  p.Define('trainable', trainable, 'Whether optimizers update it.')
+  return p
+
+
+def _Fans(shape):
+  if not shape:
+    return 1, 1
+  if len(shape) == 1:
+    return shape[0], shape[0]
+  receptive = 1
+  for d in shape[:-2]:
+    receptive *= d
+  return shape[-2] * receptive, shape[-1] * receptive
+
+
+def InitialValue(init, shape, dtype, seed):
+  """Initial value of a variable: a pure function of (init, shape, dtype, seed)."""
+  shape = [int(d) for d in shape]
+  method, scale = init.method, init.scale
+  if method == 'constant':
+    return tf.fill(shape, tf.cast(scale, dtype))
+  if method == 'gaussian':
+    return tf.random.stateless_normal(shape, seed, stddev=scale, dtype=dtype)
+  if method == 'uniform':
+    return tf.random.stateless_uniform(shape, seed, -scale, scale, dtype=dtype)
+  if method == 'xavier':
+    fan_in, fan_out = _Fans(shape)
+    bound = scale * (6.0 / (fan_in + fan_out)) ** 0.5
+    return tf.random.stateless_uniform(shape, seed, -bound, bound, dtype=dtype)
+  raise ValueError(f'Unknown WeightInit method {method!r}; expected one of '
+                   'gaussian, uniform, xavier, constant.')
+
+
+def PathSeed(random_seed, path):
+  """A stateless seed pair from a layer seed and a variable's path."""
+  return tf.constant([int(random_seed) & 0x7FFFFFFF, zlib.crc32(path.encode()) & 0x7FFFFFFF],
+                     dtype=tf.int64)
+
+
+# -- the FProp context ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FPropContext:
+  """What a forward pass may depend on besides theta and its inputs.
+
+  training: dropout and batch-norm statistics on (True) or off (False).
+  step: the global step (int or scalar tensor), for stateless random seeds.
+  micro_batch: the integer index of the micro-batch being computed.
+  updates: a list that collects batch-norm statistics, or None to apply them
+    at once; the pipeline sets it so recomputed forwards update nothing twice.
+  """
+  training: bool = True
+  step: object = 0
+  micro_batch: int = 0
+  updates: object = None
+
+
+_CONTEXT = contextvars.ContextVar('lingvo_gpipe_fprop_context', default=FPropContext())
+
+
+def CurrentContext():
+  """The FPropContext in force."""
+  return _CONTEXT.get()
+
+
+@contextlib.contextmanager
+def Context(**changes):
+  """Scopes changes to the FPropContext, e.g. `with Context(training=False):`."""
+  token = _CONTEXT.set(dataclasses.replace(_CONTEXT.get(), **changes))
+  try:
+    yield _CONTEXT.get()
+  finally:
+    _CONTEXT.reset(token)
+
+
+def EvalMode():
+  """Context for evaluation and inference: no dropout, moving statistics."""
+  return Context(training=False)
+
+
+def StepSeed(layer_seed):
+  """Stateless seed for random ops of one layer at this step and micro-batch.
+
+  Folding in integers (never float-carried ids) keeps every micro-batch's seed
+  distinct and makes a recomputed forward draw the very same numbers.
+  """
+  ctx = CurrentContext()
+  seed = tf.constant([int(layer_seed) & 0x7FFFFFFF, 0], dtype=tf.int64)
+  seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.step, tf.int64))
+  return tf.random.experimental.stateless_fold_in(seed, int(ctx.micro_batch))

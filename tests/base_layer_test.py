@@ -1,0 +1,153 @@
+"""Tests of lingvo_gpipe.core.base_layer."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import py_utils
+
+
+class _Affine(base_layer.BaseLayer):
+  """y = x @ w + b."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('input_dim', 3, 'Input depth.')
+    p.Define('output_dim', 4, 'Output depth.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    self.CreateVariable('w', py_utils.WeightParams([p.input_dim, p.output_dim]))
+    self.CreateVariable('b', py_utils.WeightParams([p.output_dim],
+                                                   py_utils.WeightInit.Constant(0.5)))
+
+  def FProp(self, theta, x):
+    return tf.matmul(x, theta.w) + theta.b
+
+
+class _Stack(base_layer.BaseLayer):
+  """Two affine layers in a list and one more as a named child."""
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateChildren('l', [_Affine.Params(), _Affine.Params().Set(input_dim=4)])
+    self.CreateChild('out', _Affine.Params().Set(input_dim=4, output_dim=2))
+
+  def FProp(self, theta, x):
+    for layer, th in zip(self.l, theta.l):
+      x = layer.FProp(th, x)
+    return self.out.FProp(theta.out, x)
+
+
+def _StackParams(seed=None):
+  return _Stack.Params().Set(name='stack', random_seed=seed)
+
+
+def testParamsAreFrozenAndNamed():
+  layer = _StackParams().Instantiate()
+  assert layer.params.is_frozen and layer.params.name == 'stack'
+  with pytest.raises(ValueError, match='non-empty name'):
+    _Stack.Params().Instantiate()
+
+
+def testVariablePathsAndThetaMirrorChildren():
+  layer = _StackParams().Instantiate()
+  names = sorted(v.name for v in layer.variables)
+  assert names == ['stack/l0/b:0', 'stack/l0/w:0', 'stack/l1/b:0', 'stack/l1/w:0',
+                   'stack/out/b:0', 'stack/out/w:0']
+  theta = layer.theta
+  assert isinstance(theta, py_utils.NestedMap)
+  assert [k for k, _ in theta.FlattenItems()] == [
+      'l[0].b', 'l[0].w', 'l[1].b', 'l[1].w', 'out.b', 'out.w']
+  assert theta.l[1].w is layer.l[1].vars.w
+  assert layer.out.path == 'stack/out'
+
+
+def testInitIsDeterministicPerSeedAndPath():
+  a = _StackParams().Instantiate()
+  b = _StackParams().Instantiate()
+  c = _StackParams(seed=5).Instantiate()
+  for x, y, z in zip(a.variables, b.variables, c.variables):
+    np.testing.assert_array_equal(x.numpy(), y.numpy())
+    if 'w' in x.name:
+      assert not np.array_equal(x.numpy(), z.numpy())
+  # Siblings with the same shape differ.
+  assert not np.array_equal(a.l[0].vars.w.numpy()[:, :3], a.l[1].vars.w.numpy()[:3, :3])
+
+
+def testFPropIsPureInTheta():
+  layer = _StackParams().Instantiate()
+  x = tf.random.stateless_normal([5, 3], [1, 2])
+  zero_theta = layer.theta.Transform(tf.zeros_like)
+  np.testing.assert_array_equal(layer.FProp(zero_theta, x).numpy(), np.zeros([5, 2]))
+
+  def Plain(x):
+    for name in ('l0', 'l1'):
+      i = int(name[1])
+      x = x @ layer.theta.l[i].w + layer.theta.l[i].b
+    return x @ layer.theta.out.w + layer.theta.out.b
+
+  np.testing.assert_allclose(layer(x).numpy(), Plain(x).numpy(), rtol=1e-6)
+
+
+def testWorksInTfFunctionAndGradients():
+  layer = _StackParams().Instantiate()
+  x = tf.ones([2, 3])
+
+  @tf.function
+  def Step():
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_sum(layer(x))
+    return tape.gradient(loss, layer.trainable_variables)
+
+  grads = Step()
+  assert len(grads) == 6 and all(g is not None for g in grads)
+
+
+def testCheckpointRoundTrip(tmp_path):
+  a = _StackParams().Instantiate()
+  b = _StackParams(seed=9).Instantiate()
+  path = tf.train.Checkpoint(model=a).save(str(tmp_path / 'ckpt'))
+  tf.train.Checkpoint(model=b).restore(path).assert_consumed()
+  for x, y in zip(a.variables, b.variables):
+    np.testing.assert_array_equal(x.numpy(), y.numpy())
+
+
+def testDuplicateNamesAreErrors():
+  class Dup(base_layer.BaseLayer):
+
+    def __init__(self, params):
+      super().__init__(params)
+      self.CreateVariable('w', py_utils.WeightParams([1]))
+      self.CreateChild('w', _Affine.Params())
+
+  with pytest.raises(ValueError, match="'w' is already"):
+    Dup.Params().Set(name='d').Instantiate()
+
+  class DupChildren(base_layer.BaseLayer):
+
+    def __init__(self, params):
+      super().__init__(params)
+      self.CreateChildren('l', [_Affine.Params().Set(name='a')] * 2)
+
+  with pytest.raises(ValueError, match='duplicate names'):
+    DupChildren.Params().Set(name='d').Instantiate()
+
+
+def testFPropDtypeIsInherited():
+  p = _StackParams().Set(fprop_dtype=tf.bfloat16)
+  layer = p.Instantiate()
+  assert layer.out.fprop_dtype == tf.bfloat16
+  assert layer.out.vars.w.dtype == tf.float32
+  assert layer.ToFPropDtype(tf.ones([2])).dtype == tf.bfloat16
+  assert layer.ToFPropDtype(tf.ones([2], tf.int32)).dtype == tf.int32
+
+
+def testFPropMetaIsOptional():
+  assert not _Affine.HasFPropMeta()
+  with pytest.raises(NotImplementedError):
+    _Affine.FPropMeta(_Affine.Params(), tf.TensorShape([2, 3]))

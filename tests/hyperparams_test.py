@@ -1,0 +1,168 @@
+"""Tests of lingvo_gpipe.core.hyperparams."""
+
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import hyperparams
+
+
+class _Thing:
+  """A class referenced from params text."""
+
+
+def _Nested():
+  inner = hyperparams.Params()
+  inner.Define('width', 8, 'Width.')
+  inner.Define('act', 'relu', 'Activation.')
+  p = hyperparams.Params()
+  p.Define('lr', 0.1, 'Learning rate.')
+  p.Define('steps', 100, 'Steps.')
+  p.Define('inner', inner, 'A nested params.')
+  return p
+
+
+def testDefineGetSet():
+  p = _Nested()
+  assert p.lr == 0.1
+  p.lr = 0.5
+  assert p.Get('lr') == 0.5
+  assert p.Set(**{'inner.width': 16, 'steps': 7}) is p
+  assert p.inner.width == 16 and p.steps == 7
+  assert p.Get('inner.act') == 'relu'
+  assert p.IsDefined('lr') and not p.IsDefined('nope')
+  assert p.GetDoc('inner.width') == 'Width.'
+
+
+@pytest.mark.parametrize('name', ['Bad', '1x', 'a-b', ''])
+def testDefineRejectsBadNames(name):
+  with pytest.raises(ValueError, match='invalid'):
+    hyperparams.Params().Define(name, 1, 'doc')
+
+
+def testRedefineIsAnError():
+  p = _Nested()
+  with pytest.raises(AttributeError, match='already defined'):
+    p.Define('lr', 1.0, 'again')
+
+
+def testUnknownKeySuggestsCloseNames():
+  p = _Nested()
+  with pytest.raises(AttributeError, match='Did you mean: steps'):
+    _ = p.stepz
+  with pytest.raises(AttributeError, match='Did you mean: width'):
+    p.Set(**{'inner.widht': 3})
+
+
+def testDelete():
+  p = _Nested()
+  p.Delete('steps')
+  assert not p.IsDefined('steps')
+  with pytest.raises(AttributeError):
+    p.Delete('steps')
+
+
+def testCopyIsDeep():
+  p = _Nested()
+  q = p.Copy()
+  q.inner.width = 99
+  assert p.inner.width == 8
+  assert p == _Nested() and q != p
+
+
+def testFreezeIsDeep():
+  p = _Nested().Freeze()
+  with pytest.raises(TypeError, match='frozen'):
+    p.lr = 1.0
+  with pytest.raises(TypeError, match='frozen'):
+    p.inner.width = 1
+  q = p.Copy()
+  q.inner.width = 1  # Copies are mutable again.
+  assert q.inner.width == 1
+
+
+def testListOfParamsIndexedKeys():
+  p = hyperparams.Params()
+  p.Define('cells', [_Nested(), _Nested()], 'Cells.')
+  p.Set(**{'cells[1].inner.width': 3})
+  assert p.Get('cells[1].inner.width') == 3
+  assert p.cells[0].inner.width == 8
+  assert 'cells[1].inner.width : 3' in p.ToText()
+
+
+def _AllKinds():
+  p = hyperparams.Params()
+  p.Define('i', -3, '')
+  p.Define('f', 0.1 + 0.2, '')
+  p.Define('big', 1e300, '')
+  p.Define('inf', float('inf'), '')
+  p.Define('s', 'it\'s "quoted"\nline', '')
+  p.Define('b', True, '')
+  p.Define('n', None, '')
+  p.Define('l', [1, 2.5, 'x', [None]], '')
+  p.Define('t', (1, ('a',)), '')
+  p.Define('d', {'a': 1, 'b': [2, 3]}, '')
+  p.Define('dt', tf.bfloat16, '')
+  p.Define('cls', _Thing, '')
+  p.Define('fn', tf.nn.relu, '')
+  p.Define('sub', _Nested(), '')
+  p.Define('subs', [_Nested(), _Nested()], '')
+  return p
+
+
+def _Mutated():
+  """A copy of _AllKinds with every value changed."""
+  q = _AllKinds()
+  q.Set(i=7, f=2.0 / 3.0, big=-1e-300, inf=float('-inf'), s='other', b=False, n=[1],
+        l=[], t=(2,), d={}, dt=tf.int32, cls=hyperparams.Params, fn=tf.math.tanh)
+  q.Set(**{'sub.inner.width': 5, 'subs[1].lr': 1e-4})
+  return q
+
+
+def testTextRoundTripIsExact():
+  p = _AllKinds()
+  q = _Mutated()
+  assert p != q
+  text = q.ToText()
+  assert text.splitlines() == sorted(text.splitlines())
+  p.FromText(text)
+  assert p == q
+  assert p.dt is tf.int32 and p.cls is hyperparams.Params and p.fn is tf.math.tanh
+  assert isinstance(p.t, tuple) and p.subs[1].lr == 1e-4
+
+
+def testFromTextTypesFollowCurrentValues():
+  p = _Nested()
+  p.FromText('lr : 1\nsteps : 5\ninner.act : gelu\n')
+  assert isinstance(p.lr, float) and p.lr == 1.0
+  assert p.inner.act == 'gelu'
+
+
+@pytest.mark.parametrize('line', ['steps : abc', 'steps : 1.5', 'lr : [1'])
+def testFromTextBadValueNamesKeyAndText(line):
+  p = _Nested()
+  key, text = (s.strip() for s in line.split(':'))
+  with pytest.raises(ValueError) as e:
+    p.FromText(line)
+  assert repr(key) in str(e.value) and repr(text) in str(e.value)
+
+
+def testFromTextUnknownKey():
+  with pytest.raises(AttributeError, match='Did you mean: steps'):
+    _Nested().FromText('stepss : 3')
+
+
+def testStrIsReadable():
+  assert 'inner.width : 8' in str(_Nested())
+
+
+def testInstantiableParams():
+  class Foo:
+    def __init__(self, params):
+      self.params = params
+
+  p = hyperparams.InstantiableParams(Foo)
+  p.Define('x', 1, 'x')
+  foo = p.Instantiate()
+  assert isinstance(foo, Foo) and foo.params.x == 1 and p.cls is Foo
+  with pytest.raises(ValueError, match='cls is None'):
+    hyperparams.InstantiableParams().Instantiate()

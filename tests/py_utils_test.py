@@ -1,0 +1,121 @@
+"""Tests of lingvo_gpipe.core.py_utils."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import py_utils
+
+NestedMap = py_utils.NestedMap
+
+
+def _Map():
+  return NestedMap(a=1, b=NestedMap(c=2, d=[3, NestedMap(e=4)]), f=5)
+
+
+def testAttributeAccess():
+  m = _Map()
+  assert m.b.d[1].e == 4
+  m.g = 6
+  assert m['g'] == 6
+  del m.g
+  with pytest.raises(AttributeError, match="no key 'g'"):
+    _ = m.g
+
+
+@pytest.mark.parametrize('key', ['keys', '1a', 'a-b', 3])
+def testBadKeys(key):
+  with pytest.raises(ValueError, match='invalid'):
+    NestedMap({key: 1})
+
+
+def testTfNestHandlesItNatively():
+  m = _Map()
+  doubled = tf.nest.map_structure(lambda x: 2 * x, m)
+  assert isinstance(doubled, NestedMap) and isinstance(doubled.b, NestedMap)
+  assert doubled.b.d[1].e == 8
+  assert tf.nest.flatten(m) == [1, 2, 3, 4, 5]
+
+
+def testFlattenPackTransform():
+  m = _Map()
+  assert m.Flatten() == [1, 2, 3, 4, 5]
+  assert [k for k, _ in m.FlattenItems()] == ['a', 'b.c', 'b.d[0]', 'b.d[1].e', 'f']
+  packed = m.Pack([10, 20, 30, 40, 50])
+  assert packed.b.d[1].e == 40 and isinstance(packed, NestedMap)
+  assert m.Transform(lambda x: -x).Flatten() == [-1, -2, -3, -4, -5]
+
+
+def testFilter():
+  m = _Map()
+  odd = m.Filter(lambda x: x % 2 == 1)
+  assert odd.Flatten() == [1, 3, 5]
+  assert 'c' not in odd.b and 'e' not in odd.b.d  # Emptied maps are dropped.
+  assert NestedMap(a=2).Filter(lambda x: x > 5) == NestedMap()
+
+
+def testIsCompatible():
+  m = _Map()
+  assert m.IsCompatible(m.Transform(str))
+  other = _Map()
+  other.b.d.append(0)
+  assert not m.IsCompatible(other)
+  assert not m.IsCompatible(NestedMap(a=1))
+
+
+def testDebugString():
+  m = NestedMap(x=tf.zeros([2, 3]), y=NestedMap(z='hi'))
+  assert m.DebugString().splitlines() == ["x    float32[2, 3]", "y.z  'hi'"]
+
+
+@pytest.mark.parametrize('init,check', [
+    (py_utils.WeightInit.Constant(0.5), lambda v: np.all(v == 0.5)),
+    (py_utils.WeightInit.Uniform(0.1), lambda v: np.all(np.abs(v) <= 0.1) and v.std() > 0.04),
+    (py_utils.WeightInit.Gaussian(2.0), lambda v: abs(v.std() - 2.0) < 0.1),
+    # Glorot bound for [400, 600]: sqrt(6 / 1000); uniform std = bound / sqrt(3).
+    (py_utils.WeightInit.Xavier(1.0),
+     lambda v: np.all(np.abs(v) <= (6 / 1000) ** 0.5) and
+     abs(v.std() - (6 / 1000) ** 0.5 / 3 ** 0.5) < 0.002),
+])
+def testWeightInits(init, check):
+  seed = py_utils.PathSeed(1, 'a/w')
+  v = py_utils.InitialValue(init, [400, 600], tf.float32, seed).numpy()
+  assert v.shape == (400, 600) and check(v)
+  again = py_utils.InitialValue(init, [400, 600], tf.float32, seed).numpy()
+  np.testing.assert_array_equal(v, again)
+
+
+def testWeightParams():
+  wp = py_utils.WeightParams([2, 3], py_utils.WeightInit.Gaussian(0.1), tf.float16)
+  assert wp.shape == [2, 3] and wp.init.method == 'gaussian' and wp.dtype == tf.float16
+  assert wp.trainable
+
+
+def testUnknownInitIsAnError():
+  bad = py_utils.WeightInit.Gaussian()
+  bad.method = 'orthogonal'
+  with pytest.raises(ValueError, match="'orthogonal'"):
+    py_utils.InitialValue(bad, [2], tf.float32, py_utils.PathSeed(0, 'x'))
+
+
+def testContextIsScoped():
+  assert py_utils.CurrentContext().training
+  with py_utils.EvalMode():
+    assert not py_utils.CurrentContext().training
+    with py_utils.Context(micro_batch=3):
+      assert py_utils.CurrentContext().micro_batch == 3
+      assert not py_utils.CurrentContext().training
+    assert py_utils.CurrentContext().micro_batch == 0
+  assert py_utils.CurrentContext().training
+
+
+def testStepSeedDependsOnStepAndMicroBatchOnly():
+  def Seed(step, mb):
+    with py_utils.Context(step=step, micro_batch=mb):
+      return tuple(py_utils.StepSeed(7).numpy())
+
+  assert Seed(3, 1) == Seed(3, 1)
+  assert Seed(tf.constant(3), 1) == Seed(3, 1)
+  assert len({Seed(3, 1), Seed(3, 2), Seed(4, 1), Seed(4, 2)}) == 4
+  # Large micro-batch indices stay distinct (no float-carried ids).
+  assert Seed(0, 2**24) != Seed(0, 2**24 + 1)
