@@ -151,3 +151,35 @@ def testFPropMetaIsOptional():
   assert not _Affine.HasFPropMeta()
   with pytest.raises(NotImplementedError):
     _Affine.FPropMeta(_Affine.Params(), tf.TensorShape([2, 3]))
+
+
+class _Counter(base_layer.BaseLayer):
+  """Counts the rows it has seen: a stand-in for batch-norm statistics."""
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateVariable('seen', py_utils.WeightParams(
+        [], py_utils.WeightInit.Constant(0.0), trainable=False))
+
+  def FProp(self, theta, x):
+    self.RecordUpdate(tf.cast(tf.shape(x)[0], tf.float32))
+    return x
+
+  def CombineUpdates(self, stats_list):
+    return tf.add_n(stats_list)
+
+  def ApplyUpdate(self, stats):
+    self.vars.seen.assign_add(stats)
+
+
+def testUpdatesApplyAtOnceOrWhenCollected():
+  layer = _Counter.Params().Set(name='c').Instantiate()
+  layer(tf.ones([3, 1]))
+  assert layer.vars.seen.numpy() == 3
+  updates = []
+  with py_utils.Context(updates=updates):
+    layer(tf.ones([2, 1]))
+    layer(tf.ones([5, 1]))
+  assert layer.vars.seen.numpy() == 3 and len(updates) == 2
+  base_layer.ApplyRecordedUpdates(updates)
+  assert layer.vars.seen.numpy() == 10

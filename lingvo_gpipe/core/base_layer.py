@@ -28,6 +28,15 @@ def _ParentScope(layer):
     _PARENT.reset(token)
 
 
+def ApplyRecordedUpdates(updates):
+  """Applies (layer, stats) records: one combined update per layer, in order."""
+  by_layer = {}
+  for layer, stats in updates:
+    by_layer.setdefault(id(layer), (layer, []))[1].append(stats)
+  for layer, stats_list in by_layer.values():
+    layer.ApplyUpdate(layer.CombineUpdates(stats_list))
+
+
 class BaseLayer(tf.Module):
   """Base class of all layers."""
 
@@ -162,6 +171,29 @@ class BaseLayer(tf.Module):
 
   def __call__(self, *args, **kwargs):
     return self.FProp(self.theta, *args, **kwargs)
+
+  # -- state updates (e.g. batch-norm moving statistics) ------------------------
+
+  def RecordUpdate(self, stats):
+    """Hands this layer's per-batch statistics to whoever applies updates.
+
+    Outside a pipeline the update is applied at once. Inside one, the pipeline
+    collects the statistics of every micro-batch's real forward (recomputed
+    forwards record nothing) and applies their combination once per step.
+    """
+    updates = py_utils.CurrentContext().updates
+    if updates is None:
+      self.ApplyUpdate(stats)
+    else:
+      updates.append((self, stats))
+
+  def CombineUpdates(self, stats_list):
+    """Merges the statistics of several micro-batches into one batch's."""
+    raise NotImplementedError(f'{type(self).__name__}.CombineUpdates')
+
+  def ApplyUpdate(self, stats):
+    """Applies one batch's statistics to this layer's state variables."""
+    raise NotImplementedError(f'{type(self).__name__}.ApplyUpdate')
 
   @classmethod
   def HasFPropMeta(cls):
