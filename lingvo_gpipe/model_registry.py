@@ -1,0 +1,230 @@
+"""Finds experiments (SingleTaskModelParams subclasses) by key.
+
+A params file registers its experiments with a decorator:
+
+  # params/lm/my_lm.py
+  from lingvo_gpipe import base_model_params
+  from lingvo_gpipe import model_registry
+
+  @model_registry.RegisterSingleTaskModel
+  class TinyLm(base_model_params.SingleTaskModelParams):
+    ...
+
+and a trainer asks for them by key, `<domain>.<file>.<ClassName>`:
+
+  p = model_registry.GetParams('lm.my_lm.TinyLm', 'Train')
+
+The key is the class's place below the params root: the part of its module name
+after the first component named `params` (so `lingvo_gpipe.params.lm.my_lm`
+gives `lm.my_lm`), or, for a file of a user's params directory, the file's path
+relative to that directory. Keys do not depend on where anything is installed.
+
+Lookups import the params first, so nobody has to import them by hand:
+  * every module of the `lingvo_gpipe.params` package (each domain folder needs
+    an `__init__.py` and an entry in pyproject's `packages` to be found);
+  * the directories or dotted module names listed, separated by os.pathsep, in
+    the environment variable LINGVO_GPIPE_PARAMS;
+  * anything passed to ImportParams().
+Importing is idempotent, so the same params may be named several times.
+"""
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import os
+import pkgutil
+import sys
+
+from lingvo_gpipe import base_model_params
+from lingvo_gpipe.core import hyperparams
+
+ENV_VAR = 'LINGVO_GPIPE_PARAMS'
+_PROJECT_PARAMS = 'lingvo_gpipe.params'
+
+# Key -> registered SingleTaskModelParams subclass.
+_REGISTRY = {}
+
+
+def _FileOf(cls):
+  return getattr(sys.modules.get(cls.__module__), '__file__', None)
+
+
+def _SourceOf(cls):
+  """The file defining `cls`, else its module name: what error messages show."""
+  return _FileOf(cls) or cls.__module__
+
+
+def _KeyOf(cls):
+  parts = cls.__module__.split('.')
+  below = parts[parts.index('params') + 1:] if 'params' in parts else []
+  if len(below) != 2:
+    raise ValueError(
+        f'Cannot register {cls.__name__} of {_SourceOf(cls)}: models must be defined in '
+        'a params file <params root>/<domain>/<file>.py, giving the key '
+        '<domain>.<file>.<ClassName>.')
+  return '.'.join(below + [cls.__name__])
+
+
+def _IsSameFile(cls_a, cls_b):
+  file_a, file_b = _FileOf(cls_a), _FileOf(cls_b)
+  return bool(file_a and file_b) and os.path.realpath(file_a) == os.path.realpath(file_b)
+
+
+def RegisterSingleTaskModel(cls):
+  """Class decorator: registers an experiment under `<domain>.<file>.<ClassName>`.
+
+  Registering a class again from the same file (a module imported twice, e.g.
+  by package name and by path, or reloaded) replaces the entry, as re-executing
+  a module rebinds its names; the same key from another file is an error.
+  """
+  if not (isinstance(cls, type) and issubclass(cls, base_model_params.SingleTaskModelParams)):
+    raise TypeError('RegisterSingleTaskModel expects a subclass of '
+                    f'base_model_params.SingleTaskModelParams; got {cls!r}.')
+  key = _KeyOf(cls)
+  old = _REGISTRY.get(key)
+  if old is not None and not _IsSameFile(old, cls):
+    raise ValueError(f'Model key {key!r} of {_SourceOf(cls)} is already registered by '
+                     f'{_SourceOf(old)}.')
+  _REGISTRY[key] = cls
+  return cls
+
+
+# -- importing params -------------------------------------------------------------
+
+
+def _ImportModule(name):
+  """Imports module `name`; a failure names the module's file and the cause."""
+  try:
+    spec = importlib.util.find_spec(name)
+  except Exception as e:
+    # A missing parent package means there is no such module; anything else,
+    # such as a parent importing a missing dependency, is a broken parent.
+    if not (isinstance(e, ModuleNotFoundError) and f'{name}.'.startswith(f'{e.name}.')):
+      raise ImportError(f'Params module {name} failed to import: {type(e).__name__}: {e}',
+                        name=name) from e
+    spec = None
+  if spec is None:
+    raise ValueError(f'Params source {name!r} is neither a directory nor an importable '
+                     'module name.')
+  try:
+    return importlib.import_module(name)
+  except Exception as e:
+    raise ImportError(f'Params file {spec.origin or name} failed to import: '
+                      f'{type(e).__name__}: {e}', name=name, path=spec.origin) from e
+
+
+def _ImportModuleTree(name):
+  """Imports module `name` and, if it is a package, every module below it."""
+  module = _ImportModule(name)
+  if hasattr(module, '__path__'):
+    for info in pkgutil.iter_modules(module.__path__, name + '.'):
+      _ImportModuleTree(info.name)
+
+
+def _ImportFile(root, package, path):
+  """Imports params file `path` of directory `root` as module `package`.<relative path>."""
+  relative = os.path.splitext(os.path.relpath(path, root))[0].split(os.sep)
+  if relative[-1] == '__init__':
+    relative.pop()
+  if not all(part.isidentifier() for part in relative):
+    raise ValueError(f'Params file {path}: its folder and file names must be Python '
+                     'identifiers, since they form the model key.')
+  name = '.'.join([package] + relative)
+  if name in sys.modules:
+    return
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
+  try:
+    spec.loader.exec_module(module)
+  except Exception as e:
+    del sys.modules[name]
+    raise ImportError(f'Params file {path} failed to import: {type(e).__name__}: {e}',
+                      name=name, path=path) from e
+
+
+def _ImportDirectory(directory):
+  root = os.path.realpath(directory)
+  # A module name unique to the directory, so it cannot shadow or be shadowed by
+  # installed packages and a second import of the directory is a no-op. Its last
+  # component `params` makes keys start at the directory's domain folders.
+  digest = hashlib.sha1(root.encode()).hexdigest()[:16]
+  package = f'_lingvo_gpipe_params_dir_{digest}.params'
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames if not d.startswith('.'))
+    for filename in sorted(filenames):
+      if filename.endswith('.py'):
+        _ImportFile(root, package, os.path.join(dirpath, filename))
+
+
+def ImportParams(path_or_module_name):
+  """Imports the experiments of a params directory or a (dotted) module or package.
+
+  A directory's .py files are imported by path, each under a module name unique
+  to the directory (so they are no package: they cannot import each other
+  relatively); a package is imported with every module below it.
+  """
+  source = os.fspath(path_or_module_name)
+  if os.path.isdir(source):
+    _ImportDirectory(source)
+  elif source and all(part.isidentifier() for part in source.split('.')):
+    _ImportModuleTree(source)
+  else:
+    raise ValueError(f'Params source {source!r} is neither a directory nor a dotted '
+                     'module name.')
+
+
+def _Discover():
+  """Imports the project's params and those named by the environment variable."""
+  _ImportModuleTree(_PROJECT_PARAMS)
+  for source in os.environ.get(ENV_VAR, '').split(os.pathsep):
+    if source:
+      try:
+        ImportParams(source)
+      except ValueError as e:
+        raise ValueError(f'{ENV_VAR}: {e}') from None
+
+
+# -- lookups --------------------------------------------------------------------
+
+
+def GetAllRegisteredKeys():
+  """Sorted keys of every registered experiment."""
+  _Discover()
+  return sorted(_REGISTRY)
+
+
+def GetClass(key):
+  """The SingleTaskModelParams subclass registered under `key`."""
+  _Discover()
+  if key not in _REGISTRY:
+    close = difflib.get_close_matches(str(key), list(_REGISTRY), n=5, cutoff=0.5)
+    hint = (f'Closest registered keys: {", ".join(close)}.' if close else
+            f'None of the {len(_REGISTRY)} registered keys is close; see GetAllRegisteredKeys().')
+    raise LookupError(f'No model is registered under key {key!r}. {hint}')
+  return _REGISTRY[key]
+
+
+def GetParams(key, dataset):
+  """Model() params of experiment `key`, with `input` set to `dataset`'s input params.
+
+  `dataset` is one of base_model_params.DATASETS, in any case. The result is a
+  deep copy the caller may change freely.
+  """
+  method = dataset.capitalize() if isinstance(dataset, str) else None
+  if method not in base_model_params.DATASETS:
+    raise ValueError(f'Unknown dataset {dataset!r}: expected one of '
+                     f'{", ".join(base_model_params.DATASETS)} (case-insensitive).')
+  experiment = GetClass(key)()
+  model = experiment.Model()
+  if not (isinstance(model, hyperparams.Params) and 'input' in model):
+    raise TypeError(f'{key}: Model() must return a hyperparams.Params defining `input`; '
+                    f'got {model!r}.')
+  input_params = getattr(experiment, method)()
+  if not isinstance(input_params, hyperparams.Params):
+    raise TypeError(f'{key}: {method}() must return a hyperparams.Params; '
+                    f'got {input_params!r}.')
+  model = model.Copy()
+  model.input = input_params.Copy()
+  return model

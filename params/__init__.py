@@ -1,0 +1,1 @@
+"""Experiment params of lingvo_gpipe, one folder per domain (see model_registry)."""

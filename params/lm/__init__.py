@@ -1,0 +1,1 @@
+"""Language-model experiment params."""
