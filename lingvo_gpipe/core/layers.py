@@ -76,12 +76,13 @@ def _CheckProb(layer, name, value, low_open, high_open):
     raise ValueError(f'{layer.path}: {name} must be in {interval}, got {value!r}.')
 
 
-# -- shared computation -------------------------------------------------------
-
-
 def _CheckDropoutProbs(layer, *names):
+  """Raises a ValueError naming the first drop probability outside [0, 1)."""
   for name in names:
     _CheckProb(layer, name, layer.params.Get(name), low_open=False, high_open=True)
+
+
+# -- shared computation -------------------------------------------------------
 
 
 def _CreateChildren(layer, child_params):
