@@ -118,13 +118,19 @@ class BaseLayer(tf.Module):
     self._children_dict[name] = child
     return child
 
-  def CreateChildren(self, name, params_list):
-    """Builds a list of children; each is named by its params' name, else name<i>."""
+  def CreateChildren(self, name, params_list, devices=None):
+    """Builds a list of children; each is named by its params' name, else name<i>.
+
+    devices: optional device names, one per child, where its variables live.
+    """
     self._CheckNewName(name)
     names = [p.name or f'{name}{i}' for i, p in enumerate(params_list)]
     if len(set(names)) != len(names):
       raise ValueError(f'{self.path}: children of {name!r} have duplicate names {names}.')
-    children = [self._Build(n, p) for n, p in zip(names, params_list)]
+    children = []
+    for i, (child_name, p) in enumerate(zip(names, params_list)):
+      with tf.device(devices[i]) if devices else contextlib.nullcontext():
+        children.append(self._Build(child_name, p))
     self._children_dict[name] = children
     return children
 

@@ -1,0 +1,649 @@
+"""GPipe: cells on devices, micro-batches, re-materialization, exact gradients.
+
+A PipeliningLayer cuts a network into K cells on K devices and a batch into M
+micro-batches. One micro-batch's path through a training step, as `_Run` below
+executes it:
+
+  1. split: the batch is cut along `batch_dim` (microbatch.Split);
+  2. forward F(m, k): cell k runs on device k; only its input, the boundary
+     activation, is kept (with remat) and handed to device k+1;
+  3. backward B(m, k): cell k re-runs its forward on the kept input under a
+     local tape and takes the gradients of its input and weights for the
+     incoming output gradient;
+  4. accumulation: the weight gradient is added to the stage's running sum at
+     once, so no more than one micro-batch's weight gradient per stage exists;
+  5. reassembly: outputs and input gradients are concatenated back.
+
+Which step runs when is data (schedule.py); the executor follows it, and in
+graphs each step waits (control dependencies) for the previous step of the same
+stage, so TensorFlow cannot run ahead and hold M micro-batches' gradients.
+
+The backward pass is written out here rather than left to the tape because the
+tape sums a weight's M gradients only once all exist (the peak grows with M);
+re-materialization is therefore this explicit recompute-then-differentiate of
+each cell, the same idea as tf.recompute_grad with the accumulation in our hands.
+"""
+
+import contextlib
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import devices as devices_lib
+from lingvo_gpipe.core import microbatch
+from lingvo_gpipe.core import partition
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import schedule as schedule_lib
+
+REMAT_MODES = ('always', 'except_last', 'never')
+
+
+def _AsArgs(value):
+  """A cell's output as the argument tuple of the next cell."""
+  return value if isinstance(value, tuple) else (value,)
+
+
+def _IsFloatTensor(x):
+  return isinstance(x, (tf.Tensor, tf.Variable)) and x.dtype.is_floating
+
+
+def _After(tokens, structure):
+  """`structure` made to wait for `tokens` (no-op when eager: Python orders it)."""
+  if not tokens or tf.executing_eagerly():
+    return structure
+  with tf.control_dependencies(tokens):
+    return tf.nest.map_structure(
+        lambda x: tf.identity(x) if isinstance(x, tf.Tensor) else x, structure)
+
+
+def _CastFloats(structure, dtype):
+  return tf.nest.map_structure(
+      lambda x: tf.cast(x, dtype) if _IsFloatTensor(x) and x.dtype != dtype else x, structure)
+
+
+class FeatureExtractionLayer(base_layer.BaseLayer):
+  """A pipeline cell: layers run in order, some of whose outputs are exported."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('sub', [], 'Layer params run in order; a tuple output feeds the next as *args.')
+    p.Define('act_fetch_layers', [],
+             'Names of sub-layers whose outputs the pipeline also returns.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if not p.sub:
+      raise ValueError(f'FeatureExtractionLayer {self.path!r} has no sub-layers.')
+    self.CreateChildren('sub', p.sub)
+    names = [layer.params.name for layer in self.sub]
+    unknown = [n for n in p.act_fetch_layers if n not in names]
+    if unknown:
+      raise ValueError(f'{self.path}: act_fetch_layers {unknown} are not sub-layers {names}.')
+
+  def FPropWithActivations(self, theta, *args):
+    """(outputs, NestedMap of the act_fetch_layers' outputs)."""
+    acts = py_utils.NestedMap()
+    out = args
+    for layer, layer_theta in zip(self.sub, theta.sub):
+      out = layer.FProp(layer_theta, *args)
+      if layer.params.name in self.params.act_fetch_layers:
+        acts[layer.params.name] = out
+      args = _AsArgs(out)
+    return out, acts
+
+  def FProp(self, theta, *args):
+    return self.FPropWithActivations(theta, *args)[0]
+
+  @classmethod
+  def FPropMeta(cls, params, *input_shapes):
+    flops = 0
+    for p in params.sub:
+      meta = p.cls.FPropMeta(p, *input_shapes)
+      flops += meta.flops
+      input_shapes = meta.out_shapes
+    return py_utils.NestedMap(flops=flops, out_shapes=tuple(input_shapes))
+
+
+class _Run:
+  """The state of one pipelined pass, executed one schedule step at a time.
+
+  Holds the boundary activations waiting for their stage, forward tapes of
+  micro-batches that are not re-materialized, output gradients waiting for
+  their backward, and each stage's running sum of weight gradients.
+  """
+
+  def __init__(self, layer, thetas, micro_args, remat, keep_inputs=True):
+    self.layer = layer
+    self.thetas = thetas
+    self.remat = remat
+    self.keep_inputs = keep_inputs
+    self.num_stages = len(thetas)
+    self.num_micro_batches = len(micro_args)
+    self.inputs = {(m, 0): args for m, args in enumerate(micro_args)}
+    self.tapes = {}
+    self.outputs = {}
+    self.acts = {}
+    self.out_grads = {}
+    self.act_grads = {}
+    self.input_grads = {}
+    self.theta_grads = [None] * self.num_stages
+    self.tokens = [[] for _ in range(self.num_stages)]
+    self.updates = []
+    self.loss_grad_fn = None  # 1F1B: called with m to set the last stage's output grads.
+
+  def _Scope(self, stage, kind, m, updates):
+    """Device, name scope and FProp context of one step."""
+    scope = contextlib.ExitStack()
+    scope.enter_context(tf.device(self.layer.devices[stage]))
+    scope.enter_context(tf.name_scope(f'stage{stage}_{kind}{m}'))
+    scope.enter_context(py_utils.Context(micro_batch=m, updates=updates))
+    return scope
+
+  def _Remat(self, m):
+    return self.remat == 'always' or (self.remat == 'except_last' and
+                                      m < self.num_micro_batches - 1)
+
+  def _Watch(self, tape, stage, args):
+    tape.watch([x for x in tf.nest.flatten(args) if _IsFloatTensor(x)])
+    tape.watch(tf.nest.flatten(self.thetas[stage]))
+
+  def Forward(self, m, k):
+    """F(m, k): runs cell k on micro-batch m and hands its output on."""
+    key = (m, k)
+    with self._Scope(k, schedule_lib.FORWARD, m, self.updates):
+      args = _After(self.tokens[k], self.inputs[key])
+      if self._Remat(m):
+        out, acts = self.layer.CellFProp(k, self.thetas[k], args)
+        if not self.keep_inputs:
+          del self.inputs[key]
+      else:
+        tape = tf.GradientTape(watch_accessed_variables=False)
+        with tape:
+          self._Watch(tape, k, args)
+          out, acts = self.layer.CellFProp(k, self.thetas[k], args)
+        self.tapes[key] = (tape, args, out, acts)
+        del self.inputs[key]
+    self.tokens[k] = [x for x in tf.nest.flatten(out) if isinstance(x, tf.Tensor)]
+    self.acts[key] = acts
+    if k + 1 < self.num_stages:
+      self.inputs[(m, k + 1)] = out
+    else:
+      self.outputs[m] = out
+
+  def Backward(self, m, k):
+    """B(m, k): gradients of cell k for micro-batch m, accumulated at once."""
+    key = (m, k)
+    if k == self.num_stages - 1 and key not in self.out_grads:
+      self.loss_grad_fn(m)
+    no_act_grads = tf.nest.map_structure(lambda _: None, self.acts[key])
+    grads_in = (self.out_grads.pop(key), self.act_grads.pop(key, no_act_grads))
+    with self._Scope(k, schedule_lib.BACKWARD, m, updates=[]):
+      if key in self.tapes:
+        tape, args, out, acts = self.tapes.pop(key)
+        grads_in = _After(self.tokens[k], grads_in)
+      else:
+        # The recompute also waits for the output gradient, so a stage holds a
+        # cell's activations only while it can run that cell's backward.
+        waits = self.tokens[k] + [g for g in tf.nest.flatten(grads_in) if g is not None]
+        args, grads_in = _After(waits, (self.inputs.pop(key), grads_in))
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+          self._Watch(tape, k, args)
+          out, acts = self.layer.CellFProp(k, self.thetas[k], args)
+      d_args, d_theta = self._Gradients(tape, k, args, (out, acts), grads_in)
+      if self.theta_grads[k] is None:
+        self.theta_grads[k] = d_theta
+      else:
+        self.theta_grads[k] = tf.nest.map_structure(tf.add, self.theta_grads[k], d_theta)
+    self.tokens[k] = tf.nest.flatten(self.theta_grads[k])
+    if k > 0:
+      self.out_grads[(m, k - 1)] = d_args
+    else:
+      self.input_grads[m] = d_args
+
+  def _Gradients(self, tape, k, args, targets, target_grads):
+    """Gradients of `targets` (weighted by target_grads) w.r.t. args and theta."""
+    pairs = [(t, g) for t, g in zip(tf.nest.flatten(targets), tf.nest.flatten(target_grads))
+             if _IsFloatTensor(t)]
+    flat_args = tf.nest.flatten(args)
+    arg_index = [i for i, x in enumerate(flat_args) if _IsFloatTensor(x)]
+    theta_leaves = tf.nest.flatten(self.thetas[k])
+    grads = tape.gradient(
+        [t for t, _ in pairs], [flat_args[i] for i in arg_index] + theta_leaves,
+        output_gradients=[tf.zeros_like(t) if g is None else tf.cast(g, t.dtype)
+                          for t, g in pairs],
+        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    d_args = [None] * len(flat_args)
+    for i, g in zip(arg_index, grads):
+      d_args[i] = g
+    return (tf.nest.pack_sequence_as(args, d_args),
+            tf.nest.pack_sequence_as(self.thetas[k], grads[len(arg_index):]))
+
+  def Execute(self, steps):
+    for step in steps:
+      if step.kind == schedule_lib.FORWARD:
+        self.Forward(step.micro_batch, step.stage)
+      else:
+        self.Backward(step.micro_batch, step.stage)
+
+  def MergedOutputs(self):
+    """(outputs, fetched activations) of the whole batch."""
+    batch_dim = self.layer.params.batch_dim
+    outputs = microbatch.Merge([self.outputs[m] for m in range(self.num_micro_batches)],
+                               batch_dim)
+    acts = py_utils.NestedMap()
+    for k in range(self.num_stages):
+      for name in self.acts[(0, k)]:
+        acts[name] = microbatch.Merge(
+            [self.acts[(m, k)][name] for m in range(self.num_micro_batches)], batch_dim)
+    return outputs, acts
+
+  def SetOutputGradients(self, d_outputs, d_acts):
+    """Splits whole-batch gradients of outputs and activations per micro-batch."""
+    batch_dim, num = self.layer.params.batch_dim, self.num_micro_batches
+    for m, d in enumerate(microbatch.Split(d_outputs, num, batch_dim)):
+      self.out_grads[(m, self.num_stages - 1)] = d
+    for k in range(self.num_stages):
+      names = list(self.acts[(0, k)])
+      if names:
+        pieces = microbatch.Split(py_utils.NestedMap({n: d_acts[n] for n in names}), num,
+                                  batch_dim)
+        for m, piece in enumerate(pieces):
+          self.act_grads[(m, k)] = piece
+
+  def MergedInputGradients(self):
+    return microbatch.Merge([self.input_grads[m] for m in range(self.num_micro_batches)],
+                            self.layer.params.batch_dim)
+
+
+class PipeliningLayer(base_layer.BaseLayer):
+  """Runs cells on devices as a pipeline of micro-batches (GPipe).
+
+  Example:
+    cells = gpipe.PartitionSequentialLayers(layer_params, 4, tf.TensorShape([64, 256]))
+    p = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells,
+                                            num_micro_batches=8)
+    pipe = p.Instantiate()
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(pipe(x) ** 2)
+    grads = tape.gradient(loss, pipe.trainable_variables)
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('cell_tpl', [], 'Cell params, one per stage, run in order.')
+    p.Define('before_tpl', [], 'Layer params run on the first device before pipelining.')
+    p.Define('num_micro_batches', 1, 'M: micro-batches per batch.')
+    p.Define('micro_batch_size', None, 'Rows per micro-batch; if set, M = batch / this.')
+    p.Define('batch_dim', 0, 'The batch dimension of every input and output tensor.')
+    p.Define('devices', None,
+             'Device names, one per cell; None takes the local or cluster devices.')
+    p.Define('allow_device_reuse', False,
+             'Place cells round-robin when there are fewer devices than cells.')
+    p.Define('remat', 'always',
+             "Re-materialization: 'always', 'except_last' (the last micro-batch keeps its "
+             "activations) or 'never'.")
+    p.Define('schedule', 'gpipe', "'gpipe' (fill-drain) or '1f1b' (ForwardBackward only).")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if not p.cell_tpl:
+      raise ValueError(f'PipeliningLayer {self.path!r}: cell_tpl is empty; give one cell '
+                       'params per stage.')
+    if p.remat not in REMAT_MODES:
+      raise ValueError(f'Unknown remat {p.remat!r}; expected one of {list(REMAT_MODES)}.')
+    if p.schedule not in schedule_lib.SCHEDULE_NAMES:
+      raise ValueError(f'Unknown schedule {p.schedule!r}; expected one of '
+                       f'{list(schedule_lib.SCHEDULE_NAMES)}.')
+    if p.micro_batch_size is not None and p.num_micro_batches != 1:
+      raise ValueError(f'Set num_micro_batches ({p.num_micro_batches}) or micro_batch_size '
+                       f'({p.micro_batch_size}), not both.')
+    self._devices = devices_lib.StageDevices(len(p.cell_tpl), p.devices, p.allow_device_reuse)
+    self.CreateChildren('before', p.before_tpl, devices=[self._devices[0]] * len(p.before_tpl))
+    self.CreateChildren('cell', p.cell_tpl, devices=self._devices)
+
+  @property
+  def devices(self):
+    """The device of each stage."""
+    return list(self._devices)
+
+  @property
+  def num_stages(self):
+    return len(self.params.cell_tpl)
+
+  def NumMicroBatches(self, batch_size):
+    p = self.params
+    return microbatch.NumMicroBatches(batch_size, p.num_micro_batches, p.micro_batch_size)
+
+  def GetSchedule(self, batch_size):
+    """The schedule a batch of `batch_size` runs; print it to see it."""
+    return schedule_lib.Schedule(self.params.schedule, self.num_stages,
+                                 self.NumMicroBatches(batch_size))
+
+  def CellFProp(self, k, theta, args):
+    """Cell k's (output argument tuple, fetched activations) in the fprop dtype."""
+    cell = self.cell[k]
+    try:
+      if isinstance(cell, FeatureExtractionLayer):
+        out, acts = cell.FPropWithActivations(theta, *args)
+      else:
+        out, acts = cell.FProp(theta, *args), py_utils.NestedMap()
+    except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
+      shapes = [getattr(x, 'shape', x) for x in tf.nest.flatten(args)]
+      source = f'the output of cell {k - 1}' if k else 'the pipeline input'
+      raise ValueError(f'Pipeline cell {k} ({cell.path}) cannot take {source} with shapes '
+                       f'{shapes}: {e}') from e
+    return _CastFloats(_AsArgs(out), self.fprop_dtype), acts
+
+  # -- public entry points --------------------------------------------------------
+
+  def FProp(self, theta, *inputs):
+    """Pipelined forward; differentiable (fill-drain backward) with tf.GradientTape.
+
+    Returns the whole batch's outputs, and, if any cell fetches activations,
+    (outputs, NestedMap of activations).
+    """
+    args = self._Before(theta, inputs)
+    num = self.NumMicroBatches(microbatch.BatchSize(args, self.params.batch_dim))
+    thetas = self._StageThetas(theta)
+    if py_utils.CurrentContext().training:
+      outputs, acts = self._DifferentiablePipeline(thetas, args, num)
+    else:
+      run = _Run(self, thetas, microbatch.Split(args, num, self.params.batch_dim),
+                 remat='always', keep_inputs=False)
+      run.Execute(schedule_lib.Schedule('gpipe', self.num_stages, num).ForwardSteps())
+      outputs, acts = run.MergedOutputs()
+    return self._Result(outputs, acts)
+
+  def ForwardBackward(self, theta, inputs, loss_fn):
+    """(loss, grads) of loss_fn(outputs) by the configured schedule.
+
+    Args:
+      theta: this layer's theta.
+      inputs: a tensor, NestedMap, or tuple of them (the cells' arguments).
+      loss_fn: maps the outputs (and, if cells fetch activations, the NestedMap
+        of activations as a second argument) to a scalar, or to (sum, weight)
+        meaning sum / weight. 'gpipe' calls it once on the whole batch; '1f1b'
+        calls it on each micro-batch as soon as it leaves the last stage, so the
+        loss must decompose: scalars are averaged over micro-batches, pairs give
+        (sum of sums) / (sum of weights).
+
+    Returns:
+      (loss, grads): grads is a NestedMap shaped like theta.
+    """
+    args, before_tape = self._BeforeWithTape(theta, _AsArgs(inputs))
+    num = self.NumMicroBatches(microbatch.BatchSize(args, self.params.batch_dim))
+    sched = schedule_lib.Schedule(self.params.schedule, self.num_stages, num)
+    run = _Run(self, self._StageThetas(theta),
+               microbatch.Split(args, num, self.params.batch_dim), self.params.remat)
+    losses = []
+    if self.params.schedule == 'gpipe':
+      run.Execute(sched.ForwardSteps())
+      outputs, acts = run.MergedOutputs()
+      total, weight, d_outputs, d_acts = self._LossGradients(loss_fn, outputs, acts)
+      losses.append((total, weight))
+      run.SetOutputGradients(d_outputs, d_acts)
+      run.Execute(sched.BackwardSteps())
+    else:
+      run.loss_grad_fn = lambda m: losses.append(self._MicroBatchLossGradients(run, loss_fn, m))
+      run.Execute(sched.steps)
+    base_layer.ApplyRecordedUpdates(run.updates)
+    total = tf.add_n([t for t, _ in losses])
+    scale = 1.0 / tf.add_n([w for _, w in losses])
+    grads = py_utils.NestedMap(
+        before=self._BeforeGradients(theta, before_tape, args, run.MergedInputGradients()),
+        cell=run.theta_grads)
+    return total * scale, grads.Transform(lambda g: g * tf.cast(scale, g.dtype))
+
+  # -- internals -------------------------------------------------------------------
+
+  def _Result(self, outputs, acts):
+    """Unwraps a single output from its argument tuple; appends fetched activations."""
+    if isinstance(outputs, tuple) and len(outputs) == 1:
+      outputs = outputs[0]
+    return (outputs, acts) if acts else outputs
+
+  def _StageThetas(self, theta):
+    """Each cell's theta as tensors read on that cell's device."""
+    thetas = []
+    for k, device in enumerate(self._devices):
+      with tf.device(device):
+        thetas.append(tf.nest.map_structure(tf.convert_to_tensor, theta.cell[k]))
+    return thetas
+
+  def _Before(self, theta, inputs):
+    args = tuple(inputs)
+    with tf.device(self._devices[0]):
+      for layer, layer_theta in zip(self.before, theta.before):
+        args = _AsArgs(layer.FProp(layer_theta, *args))
+    return args
+
+  def _BeforeWithTape(self, theta, args):
+    if not self.before:
+      return args, None
+    tape = tf.GradientTape(watch_accessed_variables=False)
+    with tape:
+      tape.watch(tf.nest.flatten(theta.before))
+      args = self._Before(theta, args)
+    return args, tape
+
+  def _BeforeGradients(self, theta, tape, args, d_args):
+    if tape is None:
+      return theta.before
+    pairs = [(a, g) for a, g in zip(tf.nest.flatten(args), tf.nest.flatten(d_args))
+             if g is not None]
+    with tf.device(self._devices[0]):
+      grads = tape.gradient([a for a, _ in pairs], tf.nest.flatten(theta.before),
+                            output_gradients=[g for _, g in pairs],
+                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return tf.nest.pack_sequence_as(theta.before, grads)
+
+  def _LossGradients(self, loss_fn, outputs, acts):
+    """loss_fn's (sum, weight) and the gradients of the sum w.r.t. outputs and acts."""
+    floats = [x for x in tf.nest.flatten((outputs, acts)) if _IsFloatTensor(x)]
+    with tf.device(self._devices[-1]), tf.GradientTape() as tape:
+      tape.watch(floats)
+      result = self._Result(outputs, acts)
+      total, weight = _LossPair(loss_fn(*result) if acts else loss_fn(result))
+    grads = iter(tape.gradient(total, floats, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+    d_outputs, d_acts = tf.nest.map_structure(
+        lambda x: next(grads) if _IsFloatTensor(x) else None, (outputs, acts))
+    return total, weight, d_outputs, d_acts
+
+  def _MicroBatchLossGradients(self, run, loss_fn, m):
+    """1F1B: micro-batch m's loss; its gradients become the backward's inputs."""
+    acts = py_utils.NestedMap()
+    for k in range(self.num_stages):
+      acts.update(run.acts[(m, k)])
+    total, weight, d_outputs, d_acts = self._LossGradients(loss_fn, run.outputs[m], acts)
+    run.out_grads[(m, self.num_stages - 1)] = d_outputs
+    for k in range(self.num_stages):
+      run.act_grads[(m, k)] = py_utils.NestedMap({n: d_acts[n] for n in run.acts[(m, k)]})
+    return total, weight
+
+  def _DifferentiablePipeline(self, thetas, args, num):
+    """The training forward, with the pipelined backward as its custom gradient."""
+    if self.params.schedule != 'gpipe':
+      raise ValueError(f"FProp under a gradient tape runs the 'gpipe' schedule; with "
+                       f"schedule={self.params.schedule!r} use ForwardBackward.")
+    sched = schedule_lib.Schedule('gpipe', self.num_stages, num)
+    flat_theta, flat_args = tf.nest.flatten(thetas), tf.nest.flatten(args)
+    arg_pos = [i for i, x in enumerate(flat_args) if isinstance(x, tf.Tensor)]
+    box = {}
+
+    @tf.custom_gradient
+    def Pipeline(*tensors):
+      # stop_gradient: the caller's tape must not record (and keep) cell internals.
+      stopped = [tf.stop_gradient(x) for x in tensors]
+      run_args = _Replaced(flat_args, arg_pos, stopped[len(flat_theta):])
+      run = _Run(self, tf.nest.pack_sequence_as(thetas, stopped[:len(flat_theta)]),
+                 microbatch.Split(tf.nest.pack_sequence_as(args, run_args), num,
+                                  self.params.batch_dim), self.params.remat)
+      run.Execute(sched.ForwardSteps())
+      structure = run.MergedOutputs()
+      flat_out = tf.nest.flatten(structure)
+      out_pos = [i for i, x in enumerate(flat_out) if isinstance(x, tf.Tensor)]
+      box.update(run=run, structure=structure, flat_out=flat_out, out_pos=out_pos)
+
+      def Grad(*d_tensors):
+        d_out = tf.nest.pack_sequence_as(
+            structure, _Replaced([None] * len(flat_out), out_pos, d_tensors))
+        run.SetOutputGradients(*d_out)
+        run.Execute(sched.BackwardSteps())
+        d_args = tf.nest.flatten(run.MergedInputGradients())
+        return tf.nest.flatten(run.theta_grads) + [d_args[i] for i in arg_pos]
+
+      return [flat_out[i] for i in out_pos], Grad
+
+    out_tensors = Pipeline(*flat_theta, *[flat_args[i] for i in arg_pos])
+    base_layer.ApplyRecordedUpdates(box['run'].updates)
+    flat_out = _Replaced(box['flat_out'], box['out_pos'], out_tensors)
+    return tf.nest.pack_sequence_as(box['structure'], flat_out)
+
+
+def _Replaced(values, positions, replacements):
+  """A copy of `values` with values[positions[i]] = replacements[i]."""
+  values = list(values)
+  for i, x in zip(positions, replacements):
+    values[i] = x
+  return values
+
+
+def _LossPair(value):
+  """loss_fn's value as (sum, weight): a scalar is a mean with weight 1."""
+  if isinstance(value, (tuple, list)):
+    if len(value) != 2:
+      raise ValueError(f'loss_fn must return a scalar or (sum, weight), got {len(value)} values.')
+    total = tf.convert_to_tensor(value[0])
+    return total, tf.cast(value[1], total.dtype)
+  value = tf.convert_to_tensor(value)
+  if value.shape.rank != 0:
+    raise ValueError(f'loss_fn must return a scalar, got shape {value.shape}.')
+  return value, tf.ones([], value.dtype)
+
+
+# -- partitioning ------------------------------------------------------------------
+
+
+def _ShapesAsArgs(input_shape):
+  if isinstance(input_shape, (list, tuple)) and not isinstance(input_shape, tf.TensorShape):
+    if input_shape and all(isinstance(s, (tf.TensorShape, tf.TensorSpec, py_utils.NestedMap))
+                           for s in input_shape):
+      return tuple(input_shape)
+  return (input_shape,)
+
+
+def _FlopCosts(layer_params_list, input_shapes):
+  costs = []
+  for p in layer_params_list:
+    meta = p.cls.FPropMeta(p, *input_shapes)
+    costs.append(float(meta.flops))
+    input_shapes = tuple(meta.out_shapes)
+  return costs
+
+
+def _Named(layer_params_list):
+  named = []
+  for i, p in enumerate(layer_params_list):
+    p = p.Copy()
+    p.name = p.name or f'layer{i}'
+    named.append(p)
+  return named
+
+
+def _ParamCosts(layer_params_list):
+  costs = []
+  for p in layer_params_list:
+    layer = p.Instantiate()
+    costs.append(float(sum(np.prod(v.shape) for v in layer.trainable_variables)))
+    del layer
+  return costs
+
+
+def _RandomInput(spec):
+  if isinstance(spec, py_utils.NestedMap):
+    return spec.Transform(_RandomInput)
+  dtype = spec.dtype if isinstance(spec, tf.TensorSpec) else tf.float32
+  shape = spec.shape if isinstance(spec, tf.TensorSpec) else spec
+  if dtype.is_floating:
+    return tf.random.stateless_normal(shape, [0, 1], dtype=dtype)
+  return tf.zeros(shape, dtype)
+
+
+def _TimeCosts(layer_params_list, input_shapes, repeats=3):
+  """Median forward+backward seconds of each layer, profiled once in a tf.function."""
+  args = tuple(_RandomInput(s) for s in input_shapes)
+  costs = []
+  for p in layer_params_list:
+    layer = p.Instantiate()
+
+    @tf.function
+    def Step(*a, layer=layer):
+      with tf.GradientTape() as tape:
+        out = layer.FProp(layer.theta, *a)
+        floats = [x for x in tf.nest.flatten(out) if _IsFloatTensor(x)]
+        total = tf.add_n([tf.reduce_sum(tf.cast(x, tf.float32)) for x in floats])
+      return out, tape.gradient(total, layer.trainable_variables)
+
+    out, _ = Step(*args)  # Trace and warm up.
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      tf.nest.map_structure(lambda x: x.numpy() if x is not None else x, Step(*args))
+      times.append(time.perf_counter() - start)
+    costs.append(float(np.median(times)))
+    args = _AsArgs(out)
+  return costs
+
+
+COST_KINDS = ('auto', 'flops', 'params', 'time')
+
+
+def LayerCosts(layer_params_list, input_shape, cost='auto'):
+  """Per-layer costs: FLOPs (FPropMeta), parameter count or measured time."""
+  if cost == 'auto':
+    cost = 'flops' if all(p.cls.HasFPropMeta() for p in layer_params_list) else 'params'
+  if cost == 'flops':
+    missing = sorted({p.cls.__name__ for p in layer_params_list if not p.cls.HasFPropMeta()})
+    if missing:
+      raise ValueError(f"cost='flops' needs FPropMeta on every layer; missing on {missing}.")
+    return _FlopCosts(layer_params_list, _ShapesAsArgs(input_shape))
+  if cost == 'params':
+    return _ParamCosts(layer_params_list)
+  if cost == 'time':
+    return _TimeCosts(layer_params_list, _ShapesAsArgs(input_shape))
+  raise ValueError(f'Unknown cost {cost!r}; expected one of {list(COST_KINDS)} or a list of '
+                   'per-layer numbers.')
+
+
+def PartitionSequentialLayers(layer_params_list, num_partitions, input_shape, cost='auto'):
+  """Cuts a layer list into `num_partitions` balanced FeatureExtractionLayer params.
+
+  Args:
+    layer_params_list: layer params, run in order.
+    num_partitions: K, the number of stages.
+    input_shape: the first layer's input tf.TensorShape (or TensorSpec), or a
+      list of them for several inputs, or a NestedMap of them for one NestedMap.
+    cost: 'auto' (FLOPs if every layer has FPropMeta, else parameter count),
+      'flops', 'params', 'time' (profile each layer forward+backward once), or a
+      list of per-layer numbers.
+
+  Returns:
+    K FeatureExtractionLayer params named cell0..cell{K-1}.
+  """
+  layers = _Named(layer_params_list)
+  costs = list(cost) if isinstance(cost, (list, tuple)) else LayerCosts(layers, input_shape, cost)
+  if len(costs) != len(layers):
+    raise ValueError(f'Got {len(costs)} costs for {len(layers)} layers.')
+  ends = partition.Balance(costs, num_partitions)
+  cells = []
+  for k, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
+    cells.append(FeatureExtractionLayer.Params().Set(name=f'cell{k}', sub=layers[start:end]))
+  return cells
