@@ -32,6 +32,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import devices as devices_lib
+from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import microbatch
 from lingvo_gpipe.core import partition
 from lingvo_gpipe.core import py_utils
@@ -63,50 +64,30 @@ def _CastFloats(structure, dtype):
       lambda x: tf.cast(x, dtype) if _IsFloatTensor(x) and x.dtype != dtype else x, structure)
 
 
-class FeatureExtractionLayer(base_layer.BaseLayer):
+class FeatureExtractionLayer(layers.SequentialLayer):
   """A pipeline cell: layers run in order, some of whose outputs are exported."""
 
   @classmethod
   def Params(cls):
     p = super().Params()
-    p.Define('sub', [], 'Layer params run in order; a tuple output feeds the next as *args.')
     p.Define('act_fetch_layers', [],
              'Names of sub-layers whose outputs the pipeline also returns.')
     return p
 
   def __init__(self, params):
     super().__init__(params)
-    p = self.params
-    if not p.sub:
-      raise ValueError(f'FeatureExtractionLayer {self.path!r} has no sub-layers.')
-    self.CreateChildren('sub', p.sub)
     names = [layer.params.name for layer in self.sub]
-    unknown = [n for n in p.act_fetch_layers if n not in names]
+    unknown = [n for n in self.params.act_fetch_layers if n not in names]
     if unknown:
       raise ValueError(f'{self.path}: act_fetch_layers {unknown} are not sub-layers {names}.')
 
   def FPropWithActivations(self, theta, *args):
     """(outputs, NestedMap of the act_fetch_layers' outputs)."""
     acts = py_utils.NestedMap()
-    out = args
-    for layer, layer_theta in zip(self.sub, theta.sub):
-      out = layer.FProp(layer_theta, *args)
+    for layer, out in self.IterFProp(theta, *args):
       if layer.params.name in self.params.act_fetch_layers:
         acts[layer.params.name] = out
-      args = _AsArgs(out)
     return out, acts
-
-  def FProp(self, theta, *args):
-    return self.FPropWithActivations(theta, *args)[0]
-
-  @classmethod
-  def FPropMeta(cls, params, *input_shapes):
-    flops = 0
-    for p in params.sub:
-      meta = p.cls.FPropMeta(p, *input_shapes)
-      flops += meta.flops
-      input_shapes = meta.out_shapes
-    return py_utils.NestedMap(flops=flops, out_shapes=tuple(input_shapes))
 
 
 class _Run:

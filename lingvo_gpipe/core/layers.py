@@ -751,11 +751,17 @@ class SequentialLayer(base_layer.BaseLayer):
       raise ValueError(f'{self.path}: SequentialLayer needs at least one sub-layer.')
     self.CreateChildren('sub', self.params.sub)
 
-  def FProp(self, theta, *args):
-    """The last sub-layer's output."""
+  def IterFProp(self, theta, *args):
+    """Yields (sub-layer, its output) as the sub-layers run."""
     for layer, layer_theta in zip(self.sub, theta.sub):
       out = layer.FProp(layer_theta, *args)
+      yield layer, out
       args = out if isinstance(out, tuple) else (out,)
+
+  def FProp(self, theta, *args):
+    """The last sub-layer's output."""
+    for _, out in self.IterFProp(theta, *args):
+      pass
     return out
 
   @classmethod
