@@ -350,38 +350,41 @@ class PipeliningLayer(base_layer.BaseLayer):
       theta: this layer's theta.
       inputs: a tensor, NestedMap, or tuple of them (the cells' arguments).
       loss_fn: maps the outputs (and, if cells fetch activations, the NestedMap
-        of activations as a second argument) to a scalar, or to (sum, weight)
-        meaning sum / weight. 'gpipe' calls it once on the whole batch; '1f1b'
-        calls it on each micro-batch as soon as it leaves the last stage, so the
-        loss must decompose: scalars are averaged over micro-batches, pairs give
-        (sum of sums) / (sum of weights).
+        of activations as a second argument) to the loss: a scalar, a Lingvo
+        (value, weight) pair (value is a mean over weight items), or a NestedMap
+        of such metrics holding 'loss'. 'gpipe' calls it once on the whole
+        batch; '1f1b' calls it on each micro-batch as soon as it leaves the last
+        stage, so the loss must decompose: micro-batch values merge as
+        sum(value * weight) / sum(weight), a scalar having weight 1.
 
     Returns:
-      (loss, grads): grads is a NestedMap shaped like theta.
+      (loss, grads), grads a NestedMap shaped like theta; if loss_fn returns a
+      NestedMap, the first value is the NestedMap of merged (value, weight).
     """
     args, before_tape = self._BeforeWithTape(theta, _AsArgs(inputs))
     num = self.NumMicroBatches(microbatch.BatchSize(args, self.params.batch_dim))
     sched = schedule_lib.Schedule(self.params.schedule, self.num_stages, num)
     run = _Run(self, self._StageThetas(theta),
                microbatch.Split(args, num, self.params.batch_dim), self.params.remat)
-    losses = []
+    metrics = []  # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
     if self.params.schedule == 'gpipe':
       run.Execute(sched.ForwardSteps())
       outputs, acts = run.MergedOutputs()
-      total, weight, d_outputs, d_acts = self._LossGradients(loss_fn, outputs, acts)
-      losses.append((total, weight))
+      batch_metrics, d_outputs, d_acts = self._LossGradients(loss_fn, outputs, acts)
+      metrics.append(batch_metrics)
       run.SetOutputGradients(d_outputs, d_acts)
       run.Execute(sched.BackwardSteps())
     else:
-      run.loss_grad_fn = lambda m: losses.append(self._MicroBatchLossGradients(run, loss_fn, m))
+      run.loss_grad_fn = lambda m: metrics.append(self._MicroBatchLossGradients(run, loss_fn, m))
       run.Execute(sched.steps)
     base_layer.ApplyRecordedUpdates(run.updates)
-    total = tf.add_n([t for t, _ in losses])
-    scale = 1.0 / tf.add_n([w for _, w in losses])
+    merged = MergeMetrics([m for m, _ in metrics])
+    # The backward differentiated value * weight of each call: divide by the total weight.
+    scale = 1.0 / merged.loss[1]
     grads = py_utils.NestedMap(
         before=self._BeforeGradients(theta, before_tape, args, run.MergedInputGradients()),
-        cell=run.theta_grads)
-    return total * scale, grads.Transform(lambda g: g * tf.cast(scale, g.dtype))
+        cell=run.theta_grads).Transform(lambda g: g * tf.cast(scale, g.dtype))
+    return (merged if metrics[0][1] else merged.loss[0]), grads
 
   # -- internals -------------------------------------------------------------------
 
@@ -427,27 +430,31 @@ class PipeliningLayer(base_layer.BaseLayer):
     return tf.nest.pack_sequence_as(theta.before, grads)
 
   def _LossGradients(self, loss_fn, outputs, acts):
-    """loss_fn's (sum, weight) and the gradients of the sum w.r.t. outputs and acts."""
+    """loss_fn's metrics and the gradients of value * weight of their loss."""
     floats = [x for x in tf.nest.flatten((outputs, acts)) if _IsFloatTensor(x)]
     with tf.device(self._devices[-1]), tf.GradientTape() as tape:
       tape.watch(floats)
       result = self._Result(outputs, acts)
-      total, weight = _LossPair(loss_fn(*result) if acts else loss_fn(result))
-    grads = iter(tape.gradient(total, floats, unconnected_gradients=tf.UnconnectedGradients.ZERO))
+      value = loss_fn(*result) if acts else loss_fn(result)
+      metrics = _AsMetrics(value)
+      loss, weight = metrics.loss
+      weighted = loss * tf.stop_gradient(weight)
+    grads = iter(tape.gradient(weighted, floats,
+                               unconnected_gradients=tf.UnconnectedGradients.ZERO))
     d_outputs, d_acts = tf.nest.map_structure(
         lambda x: next(grads) if _IsFloatTensor(x) else None, (outputs, acts))
-    return total, weight, d_outputs, d_acts
+    return (metrics, isinstance(value, dict)), d_outputs, d_acts
 
   def _MicroBatchLossGradients(self, run, loss_fn, m):
     """1F1B: micro-batch m's loss; its gradients become the backward's inputs."""
     acts = py_utils.NestedMap()
     for k in range(self.num_stages):
       acts.update(run.acts[(m, k)])
-    total, weight, d_outputs, d_acts = self._LossGradients(loss_fn, run.outputs[m], acts)
+    metrics, d_outputs, d_acts = self._LossGradients(loss_fn, run.outputs[m], acts)
     run.out_grads[(m, self.num_stages - 1)] = d_outputs
     for k in range(self.num_stages):
       run.act_grads[(m, k)] = py_utils.NestedMap({n: d_acts[n] for n in run.acts[(m, k)]})
-    return total, weight
+    return metrics
 
   def _DifferentiablePipeline(self, thetas, args, num):
     """The training forward, with the pipelined backward as its custom gradient."""
@@ -497,17 +504,37 @@ def _Replaced(values, positions, replacements):
   return values
 
 
-def _LossPair(value):
-  """loss_fn's value as (sum, weight): a scalar is a mean with weight 1."""
+def _MetricPair(name, value):
+  """A metric as (value, weight); a bare scalar has weight 1."""
   if isinstance(value, (tuple, list)):
     if len(value) != 2:
-      raise ValueError(f'loss_fn must return a scalar or (sum, weight), got {len(value)} values.')
-    total = tf.convert_to_tensor(value[0])
-    return total, tf.cast(value[1], total.dtype)
-  value = tf.convert_to_tensor(value)
-  if value.shape.rank != 0:
-    raise ValueError(f'loss_fn must return a scalar, got shape {value.shape}.')
-  return value, tf.ones([], value.dtype)
+      raise ValueError(f'Metric {name!r} must be a scalar or (value, weight), got {value!r}.')
+    mean = tf.convert_to_tensor(value[0])
+    pair = (mean, tf.cast(value[1], mean.dtype))
+  else:
+    pair = (tf.convert_to_tensor(value), None)
+  if pair[0].shape.rank != 0:
+    raise ValueError(f'Metric {name!r} must be a scalar, got shape {pair[0].shape}.')
+  return pair if pair[1] is not None else (pair[0], tf.ones([], pair[0].dtype))
+
+
+def _AsMetrics(value):
+  """loss_fn's value as a NestedMap name -> (value, weight) holding 'loss'."""
+  if isinstance(value, dict):
+    if 'loss' not in value:
+      raise ValueError(f"loss_fn returned metrics {sorted(value)} without a 'loss'.")
+    return py_utils.NestedMap({k: _MetricPair(k, v) for k, v in value.items()})
+  return py_utils.NestedMap(loss=_MetricPair('loss', value))
+
+
+def MergeMetrics(metrics_list):
+  """Merges (value, weight) metrics of several batches: sum(v * w) / sum(w)."""
+  merged = py_utils.NestedMap()
+  for name in metrics_list[0]:
+    weight = tf.add_n([m[name][1] for m in metrics_list])
+    total = tf.add_n([m[name][0] * m[name][1] for m in metrics_list])
+    merged[name] = (total / weight, weight)
+  return merged
 
 
 # -- partitioning ------------------------------------------------------------------

@@ -1,0 +1,64 @@
+"""BaseTask: a trainable model, seen by trainers as metrics and their gradients.
+
+A task computes predictions from an input batch and metrics from predictions.
+Metrics are Lingvo-style (value, weight) pairs: `value` is a mean over `weight`
+items (tokens, examples), so metrics of several batches or micro-batches merge
+exactly as sum(value * weight) / sum(weight). The metric named 'loss' is the
+one trained.
+
+Trainers only call ForwardBackward (training) and FPropTower / Inference
+(evaluation, prediction). A pipelined task overrides ForwardBackward to run its
+PipeliningLayer's schedule.
+"""
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import py_utils
+
+
+def TrainParams():
+  """How a task is trained: optimizer, learning rate, clipping."""
+  p = hyperparams.Params()
+  p.Define('optimizer', None, 'Optimizer params; None takes the trainer default.')
+  p.Define('learning_rate', 1e-3, 'Base learning rate.')
+  p.Define('lr_schedule', None, 'Learning-rate schedule params; None keeps it constant.')
+  p.Define('clip_gradient_norm_to_value', 0.0,
+           'If > 0, scale gradients so their global norm (over all stages) is at most this.')
+  return p
+
+
+class BaseTask(base_layer.BaseLayer):
+  """Base class of tasks."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('train', TrainParams(), 'Training settings of this task.')
+    return p
+
+  def ComputePredictions(self, theta, input_batch):
+    """Predictions (a NestedMap) of the batch."""
+    raise NotImplementedError(f'{type(self).__name__}.ComputePredictions')
+
+  def ComputeLoss(self, theta, predictions, input_batch):
+    """NestedMap of metrics name -> (value, weight), holding 'loss'."""
+    raise NotImplementedError(f'{type(self).__name__}.ComputeLoss')
+
+  def FPropTower(self, theta, input_batch):
+    """Metrics of one batch."""
+    return self.ComputeLoss(theta, self.ComputePredictions(theta, input_batch), input_batch)
+
+  def ForwardBackward(self, theta, input_batch):
+    """(metrics, grads): grads of metrics.loss, a NestedMap shaped like theta."""
+    with tf.GradientTape() as tape:
+      metrics = self.FPropTower(theta, input_batch)
+    grads = tape.gradient(metrics.loss[0], theta,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return metrics, grads
+
+  def Inference(self, theta, input_batch):
+    """Predictions for serving: evaluation mode, no loss."""
+    with py_utils.EvalMode():
+      return self.ComputePredictions(theta, input_batch)
