@@ -616,6 +616,7 @@ COST_KINDS = ('auto', 'flops', 'params', 'time')
 
 def LayerCosts(layer_params_list, input_shape, cost='auto'):
   """Per-layer costs: FLOPs (FPropMeta), parameter count or measured time."""
+  layer_params_list = _Named(layer_params_list)
   if cost == 'auto':
     cost = 'flops' if all(p.cls.HasFPropMeta() for p in layer_params_list) else 'params'
   if cost == 'flops':

@@ -1,0 +1,568 @@
+"""Tests of lingvo_gpipe.core.gpipe against plain TensorFlow math on the same weights."""
+
+import itertools
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import gpipe
+from lingvo_gpipe.core import layers
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import schedule
+
+DIM, HIDDEN, BATCH = 8, 16, 16
+
+
+class _Res(base_layer.BaseLayer):
+  """x + relu(x @ w1) @ w2, casting to the fprop dtype like a real layer."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('dim', DIM, 'Model width.')
+    p.Define('hidden', HIDDEN, 'Hidden width.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    self.CreateVariable('w1', py_utils.WeightParams([p.dim, p.hidden]))
+    self.CreateVariable('w2', py_utils.WeightParams([p.hidden, p.dim]))
+
+  def FProp(self, theta, x):
+    theta, x = self.ToFPropDtype(theta), self.ToFPropDtype(x)
+    return x + tf.nn.relu(x @ theta.w1) @ theta.w2
+
+
+class _MapRes(_Res):
+  """The residual block on NestedMap(x, mask): mask (int) passes through unchanged."""
+
+  def FProp(self, theta, inputs):
+    x = super().FProp(theta, inputs.x) * tf.cast(inputs.mask, self.fprop_dtype)[:, None]
+    return py_utils.NestedMap(x=x, mask=inputs.mask)
+
+
+def _Pipe(num_stages, num_micro_batches, remat='always', sched='gpipe', num_layers=8,
+          layer=_Res, **kwargs):
+  cells = gpipe.PartitionSequentialLayers([layer.Params() for _ in range(num_layers)],
+                                          num_stages, tf.TensorShape([BATCH, DIM]), cost='params')
+  return gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=num_micro_batches, remat=remat,
+      schedule=sched, **kwargs).Instantiate()
+
+
+def _LayerThetas(pipe):
+  return [sub for cell in pipe.theta.cell for sub in cell.sub]
+
+
+def _Reference(pipe, x):
+  """Plain TF math on the pipeline's weights: the whole batch on one device."""
+  for t in _LayerThetas(pipe):
+    x = x + tf.nn.relu(x @ t.w1) @ t.w2
+  return x
+
+
+def _Input(seed=1):
+  return tf.random.stateless_normal([BATCH, DIM], [seed, 2])
+
+
+def _Loss(y):
+  return tf.reduce_mean(tf.square(y - 0.5))
+
+
+def _ReferenceLossAndGrads(pipe, x):
+  with tf.GradientTape() as tape:
+    loss = _Loss(_Reference(pipe, x))
+  return loss, tape.gradient(loss, pipe.trainable_variables)
+
+
+def _RelErr(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)
+
+
+def _AssertGradsClose(grads, ref_grads, tol=1e-5):
+  assert len(grads) == len(ref_grads)
+  for g, r in zip(grads, ref_grads):
+    assert _RelErr(g, r) <= tol
+
+
+GRID = list(itertools.product([1, 2, 4], [1, 2, 4, 8], gpipe.REMAT_MODES))
+
+
+@pytest.mark.parametrize('k,m,remat', GRID)
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testForwardBackwardIsExact(k, m, remat, sched):
+  pipe = _Pipe(k, m, remat, sched)
+  x = _Input()
+  ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
+  loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss)
+  assert _RelErr(loss, ref_loss) <= 1e-5
+  # grads mirrors theta; theta's variables in the same order as trainable_variables.
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+  _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
+
+
+@pytest.mark.parametrize('k,m,remat', GRID)
+def testFPropUnderTapeIsExact(k, m, remat):
+  pipe = _Pipe(k, m, remat)
+  x = _Input()
+  np.testing.assert_allclose(pipe(x).numpy(), _Reference(pipe, x).numpy(), rtol=1e-5, atol=1e-6)
+  ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    loss = _Loss(pipe(x))
+  grads = tape.gradient(loss, list(pipe.trainable_variables) + [x])
+  assert _RelErr(loss, ref_loss) <= 1e-5
+  _AssertGradsClose(grads[:-1], ref_grads)
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    ref_x_loss = _Loss(_Reference(pipe, x))
+  assert _RelErr(grads[-1], tape.gradient(ref_x_loss, x)) <= 1e-5
+
+
+@pytest.mark.parametrize('k,m,sched', [(4, 8, 'gpipe'), (2, 4, '1f1b'), (4, 2, '1f1b')])
+def testInsideTfFunction(k, m, sched):
+  pipe = _Pipe(k, m, 'except_last', sched)
+  x = _Input()
+  ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
+
+  @tf.function
+  def Step(x):
+    loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss)
+    if sched != 'gpipe':
+      return loss, tf.nest.flatten(grads)
+    with tf.GradientTape() as tape:
+      tape_loss = _Loss(pipe(x))
+    return tape_loss, tape.gradient(tape_loss, pipe.trainable_variables)
+
+  loss, grads = Step(x)
+  assert _RelErr(loss, ref_loss) <= 1e-5
+  if sched != 'gpipe':
+    by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), grads)}
+    grads = [by_name[v.name] for v in pipe.trainable_variables]
+  _AssertGradsClose(grads, ref_grads)
+
+
+class _MapProj(layers.ProjectionLayer):
+  """Projects NestedMap.x, keeping the mask: a before_tpl layer."""
+
+  def FProp(self, theta, inputs):
+    return py_utils.NestedMap(x=super().FProp(theta, inputs.x), mask=inputs.mask)
+
+
+def testNestedMapInputsWithIntegerLeavesAndBeforeLayers():
+  cells = gpipe.PartitionSequentialLayers([_MapRes.Params() for _ in range(4)], 2,
+                                          tf.TensorShape([BATCH, DIM]), cost='params')
+  before = [_MapProj.Params().Set(name='proj', input_dim=DIM, output_dim=DIM)]
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, before_tpl=before, num_micro_batches=4).Instantiate()
+  mask = tf.constant([1, 0] * (BATCH // 2))
+  x = _Input()
+
+  def Reference():
+    proj = pipe.theta.before[0]
+    h = x @ proj.w + proj.b
+    for t in _LayerThetas(pipe):
+      h = (h + tf.nn.relu(h @ t.w1) @ t.w2) * tf.cast(mask, tf.float32)[:, None]
+    return h
+
+  def Loss(out):
+    assert out.mask.dtype == tf.int32
+    return _Loss(out.x)
+
+  with tf.GradientTape() as tape:
+    ref_loss = _Loss(Reference())
+  ref_grads = tape.gradient(ref_loss, pipe.trainable_variables)
+  inputs = py_utils.NestedMap(x=x, mask=mask)
+  loss, grads = pipe.ForwardBackward(pipe.theta, inputs, Loss)
+  assert _RelErr(loss, ref_loss) <= 1e-5
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+  _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
+  with tf.GradientTape() as tape:
+    tape_loss = Loss(pipe(inputs))
+  _AssertGradsClose(tape.gradient(tape_loss, pipe.trainable_variables), ref_grads)
+
+
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testWeightedMetricsMergeExactly(sched):
+  """(value, weight) metrics of micro-batches merge to the whole batch's."""
+  pipe = _Pipe(2, 4, 'always', sched)
+  x = _Input()
+  weights = tf.cast(tf.range(BATCH) % 3, tf.float32)  # Uneven weight per micro-batch.
+
+  def Metrics(y, w):
+    per_example = tf.reduce_mean(tf.square(y - 0.5), axis=1)
+    total = tf.reduce_sum(w)
+    return py_utils.NestedMap(
+        loss=(tf.reduce_sum(per_example * w) / total, total),
+        big=(tf.reduce_mean(tf.cast(y > 0, tf.float32)), tf.constant(float(y.shape[0]))))
+
+  calls = []
+
+  def LossFn(out):
+    # The loss function sees the weights of the rows it is given.
+    rows = out.shape[0]
+    offset = 0 if sched == 'gpipe' else rows * len(calls)
+    calls.append(rows)
+    return Metrics(out, weights[offset:offset + rows])
+
+  with tf.GradientTape() as tape:
+    ref = Metrics(_Reference(pipe, x), weights)
+  ref_grads = tape.gradient(ref.loss[0], pipe.trainable_variables)
+  metrics, grads = pipe.ForwardBackward(pipe.theta, x, LossFn)
+  assert calls == ([BATCH] if sched == 'gpipe' else [BATCH // 4] * 4)
+  for name in ('loss', 'big'):
+    assert _RelErr(metrics[name][0], ref[name][0]) <= 1e-5
+    assert float(metrics[name][1]) == pytest.approx(float(ref[name][1]))
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+  _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
+
+
+def testFetchedActivations():
+  cells = gpipe.PartitionSequentialLayers([_Res.Params() for _ in range(4)], 2,
+                                          tf.TensorShape([BATCH, DIM]), cost='params')
+  cells[0].act_fetch_layers = ['layer0']
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=4).Instantiate()
+  x = _Input()
+  t0 = _LayerThetas(pipe)[0]
+  ref_act = x + tf.nn.relu(x @ t0.w1) @ t0.w2
+  out, acts = pipe(x)
+  np.testing.assert_allclose(acts.layer0.numpy(), ref_act.numpy(), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(out.numpy(), _Reference(pipe, x).numpy(), rtol=1e-5, atol=1e-6)
+
+  def Loss(y, a):
+    return _Loss(y) + tf.reduce_mean(a.layer0 ** 3)
+
+  with tf.GradientTape() as tape:
+    h = x + tf.nn.relu(x @ t0.w1) @ t0.w2
+    ref_loss = Loss(_Reference(pipe, x), py_utils.NestedMap(layer0=h))
+  ref_grads = tape.gradient(ref_loss, pipe.trainable_variables)
+  with tf.GradientTape() as tape:
+    loss = Loss(*pipe(x))
+  _AssertGradsClose(tape.gradient(loss, pipe.trainable_variables), ref_grads)
+  for sched in schedule.SCHEDULE_NAMES:
+    p = pipe.params.Copy().Set(schedule=sched)
+    other = p.Instantiate()
+    for a, b in zip(other.variables, pipe.variables):
+      a.assign(b)
+    fb_loss, grads = other.ForwardBackward(other.theta, x, Loss)
+    assert _RelErr(fb_loss, ref_loss) <= 1e-5
+    by_name = {v.name: g for v, g in zip(tf.nest.flatten(other.theta), tf.nest.flatten(grads))}
+    _AssertGradsClose([by_name[v.name] for v in other.trainable_variables], ref_grads)
+
+
+def _StepOf(op_name):
+  """'stage{k}_{F|B}{m}' for an op of a pipeline step (also its gradient ops), else None."""
+  return next((part for part in op_name.split('/') if part.startswith('stage') and '_' in part),
+              None)
+
+
+def _StepOps(graph):
+  """Step name scope -> ops, from a traced graph."""
+  scopes = {}
+  for op in graph.get_operations():
+    step = _StepOf(op.name)
+    if step:
+      scopes.setdefault(step, []).append(op)
+  return scopes
+
+
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testEveryOpOfCellKRunsOnDeviceK(sched):
+  pipe = _Pipe(4, 4, 'always', sched)
+
+  @tf.function
+  def Step(x):
+    return pipe.ForwardBackward(pipe.theta, x, _Loss)
+
+  graph = Step.get_concrete_function(tf.TensorSpec([BATCH, DIM])).graph
+  scopes = _StepOps(graph)
+  assert len(scopes) == 2 * 4 * 4  # Every (stage, pass, micro-batch) step has ops.
+  for scope, ops in scopes.items():
+    stage = int(scope[len('stage'):scope.index('_')])
+    want = tf.DeviceSpec.from_string(pipe.devices[stage])
+    assert any(op.type == 'MatMul' for op in ops)
+    for op in ops:
+      got = tf.DeviceSpec.from_string(op.device)
+      assert (got.device_type, got.device_index) == (want.device_type, want.device_index), (
+          op.name, op.device)
+  # The variables of cell k live on device k too.
+  for k, cell in enumerate(pipe.cell):
+    for v in cell.variables:
+      assert tf.DeviceSpec.from_string(v.device).device_index == k
+
+
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testScheduleOrdersTheGraph(sched):
+  """Each step's inputs wait (control edges) on the previous step of its stage."""
+  pipe = _Pipe(3, 4, 'always', sched)
+
+  @tf.function
+  def Step(x):
+    return pipe.ForwardBackward(pipe.theta, x, _Loss)
+
+  graph = Step.get_concrete_function(tf.TensorSpec([BATCH, DIM])).graph
+  scopes = _StepOps(graph)
+  sched_obj = pipe.GetSchedule(BATCH)
+  for stage in range(3):
+    steps = sched_obj.StageSteps(stage)
+    for prev, step in zip(steps, steps[1:]):
+      name = f'stage{stage}_{step.kind}{step.micro_batch}'
+      prev_name = f'stage{stage}_{prev.kind}{prev.micro_batch}'
+      waits_on = {_StepOf(c.name) for op in scopes[name] for c in op.control_inputs}
+      assert prev_name in waits_on, (name, waits_on)
+
+
+def _DropoutCell():
+  return layers.SequentialLayer.Params().Set(sub=[
+      _Res.Params(), layers.DropoutLayer.Params().Set(keep_prob=0.5), _Res.Params()])
+
+
+@pytest.mark.parametrize('remat', gpipe.REMAT_MODES)
+def testDropoutMasksAreRedrawnIdenticallyInRecompute(remat):
+  """The recomputed forward uses the mask of the first forward, per micro-batch."""
+  num = 4
+  cells = [_DropoutCell().Set(name=f'cell{k}') for k in range(2)]
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=num, remat=remat).Instantiate()
+  x = _Input()
+
+  def Reference():
+    """Each micro-batch through the cells eagerly, in its own FProp context."""
+    outs = []
+    for m, xm in enumerate(tf.split(x, num)):
+      with py_utils.Context(micro_batch=m, step=7):
+        for cell, th in zip(pipe.cell, pipe.theta.cell):
+          xm = cell.FProp(th, xm)
+      outs.append(xm)
+    return tf.concat(outs, 0)
+
+  with tf.GradientTape() as tape:
+    ref_loss = _Loss(Reference())
+  ref_grads = tape.gradient(ref_loss, pipe.trainable_variables)
+  with py_utils.Context(step=7):
+    loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss)
+    with tf.GradientTape() as tape:
+      tape_loss = _Loss(pipe(x))
+    tape_grads = tape.gradient(tape_loss, pipe.trainable_variables)
+  assert _RelErr(loss, ref_loss) <= 1e-5 and _RelErr(tape_loss, ref_loss) <= 1e-5
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+  _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
+  _AssertGradsClose(tape_grads, ref_grads)
+  with py_utils.Context(step=8):
+    assert _RelErr(_Loss(pipe(x)), ref_loss) > 1e-3  # Another step, other masks.
+
+
+def testBatchNormMovingStatisticsEqualWholeBatch():
+  """Per-micro-batch normalisation; moving averages from the whole batch, once."""
+  bn = layers.BatchNormLayer.Params().Set(dim=DIM, decay=0.5)
+  cells = [layers.SequentialLayer.Params().Set(name=f'cell{k}', sub=[_Res.Params(), bn])
+           for k in range(2)]
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=4).Instantiate()
+  x = _Input()
+  with tf.GradientTape() as tape:
+    loss = _Loss(pipe(x))
+  tape.gradient(loss, pipe.trainable_variables)  # Recomputes every cell: no extra updates.
+  parts = tf.split(x, 4)
+  for cell, th in zip(pipe.cell, pipe.theta.cell):
+    res_parts = [cell.sub[0].FProp(th.sub[0], p) for p in parts]
+    mean, var = tf.nn.moments(tf.concat(res_parts, 0), axes=[0])
+    bn_vars = cell.sub[1].vars
+    np.testing.assert_allclose(bn_vars.moving_mean.numpy(), 0.5 * mean.numpy(),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(bn_vars.moving_variance.numpy(), 0.5 + 0.5 * var.numpy(),
+                               rtol=1e-5, atol=1e-6)
+    with py_utils.Context(updates=[]):  # Normalise each micro-batch; discard its update.
+      parts = [cell.sub[1].FProp(th.sub[1], r) for r in res_parts]
+
+
+def testEvalPathPipelinesForwardWithoutUpdates():
+  bn = layers.BatchNormLayer.Params().Set(dim=DIM)
+  cells = [layers.SequentialLayer.Params().Set(name=f'cell{k}', sub=[_Res.Params(), bn])
+           for k in range(2)]
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=4).Instantiate()
+  x = _Input()
+  with py_utils.EvalMode():
+    out = pipe(x)
+    ref = x
+    for cell, th in zip(pipe.cell, pipe.theta.cell):
+      ref = cell.FProp(th, ref)
+  np.testing.assert_allclose(out.numpy(), ref.numpy(), rtol=1e-5, atol=1e-6)
+  assert np.all(pipe.cell[0].sub[1].vars.moving_mean.numpy() == 0)
+
+
+def testBfloat16CrossesStagesWhileGradientsStayFloat32():
+  pipe = _Pipe(2, 4, fprop_dtype=tf.bfloat16)
+  x = _Input()
+
+  @tf.function
+  def Step(x):
+    return pipe.ForwardBackward(pipe.theta, x, lambda y: _Loss(tf.cast(y, tf.float32)))
+
+  graph = Step.get_concrete_function(tf.TensorSpec([BATCH, DIM])).graph
+  # Tensors produced on stage 0 and consumed by stage 1's forward are bfloat16.
+  crossing = [t for op in graph.get_operations() if op.name.startswith('stage1_F')
+              for t in op.inputs if t.op.name.startswith('stage0_F')]
+  assert crossing and all(t.dtype == tf.bfloat16 for t in crossing)
+  loss, grads = Step(x)
+  assert all(g.dtype == tf.float32 for g in tf.nest.flatten(grads))
+  assert all(v.dtype == tf.float32 for v in pipe.variables)
+  ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
+  assert _RelErr(loss, ref_loss) < 0.05
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+  for v, r in zip(pipe.trainable_variables, ref_grads):
+    assert _RelErr(by_name[v.name], r) < 0.1
+
+
+@pytest.mark.parametrize('make,match', [
+    (lambda: _Pipe(2, 3).ForwardBackward(_Pipe(2, 3).theta, _Input(), _Loss),
+     'Batch size 16 is not divisible by num_micro_batches=3'),
+    (lambda: _Pipe(2, 32)(_Input()), 'num_micro_batches=32 is larger than the batch size 16'),
+    (lambda: _Pipe(2, 2, remat='sometimes'), "Unknown remat 'sometimes'"),
+    (lambda: _Pipe(2, 2, sched='zb'), "Unknown schedule 'zb'"),
+    (lambda: gpipe.PipeliningLayer.Params().Set(name='p').Instantiate(), 'cell_tpl is empty'),
+    (lambda: _Pipe(8, 2), '8 stages but only 4 devices'),
+    (lambda: _Pipe(2, 2, sched='1f1b')(_Input()), 'use ForwardBackward'),
+    (lambda: _Pipe(2, 2, micro_batch_size=4), 'not both'),
+])
+def testBadInputsAreClearErrors(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def testMismatchedCellsNameTheCell():
+  cells = [_Res.Params().Set(name='cell0'), _Res.Params().Set(name='cell1', dim=DIM + 1)]
+  pipe = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells).Instantiate()
+  with pytest.raises(ValueError, match=r'cell 1 \(pipe/cell1\) cannot take the output of cell 0'):
+    pipe.ForwardBackward(pipe.theta, _Input(), _Loss)
+
+
+def testDeviceReuseAndMicroBatchSize():
+  pipe = _Pipe(6, 1, allow_device_reuse=True, micro_batch_size=4)
+  assert pipe.devices[4] == pipe.devices[0]
+  assert pipe.GetSchedule(BATCH).num_micro_batches == 4
+  x = _Input()
+  np.testing.assert_allclose(pipe(x).numpy(), _Reference(pipe, x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def testCheckpointRoundTripOfAPipeline(tmp_path):
+  a, b = _Pipe(2, 2), _Pipe(2, 2, random_seed=3)
+  x = _Input()
+  assert not np.allclose(a(x).numpy(), b(x).numpy())
+  path = tf.train.Checkpoint(model=a).save(str(tmp_path / 'ckpt'))
+  tf.train.Checkpoint(model=b).restore(path).assert_consumed()
+  np.testing.assert_array_equal(a(x).numpy(), b(x).numpy())
+
+
+# -- partitioning ------------------------------------------------------------------
+
+
+def _Projection(dim_in, dim_out):
+  return layers.ProjectionLayer.Params().Set(input_dim=dim_in, output_dim=dim_out)
+
+
+def testPartitionByFlopsGivesEqualStagesAndHeavyLayerAlone():
+  equal = [_Projection(32, 32) for _ in range(16)]
+  cells = gpipe.PartitionSequentialLayers(equal, 4, tf.TensorShape([8, 32]))
+  assert [len(c.sub) for c in cells] == [4, 4, 4, 4]
+  assert [c.name for c in cells] == ['cell0', 'cell1', 'cell2', 'cell3']
+  heavy = [_Projection(32, 32) for _ in range(15)] + [_Projection(32, 32 * 16)]
+  cells = gpipe.PartitionSequentialLayers(heavy, 4, tf.TensorShape([8, 32]), cost='flops')
+  assert len(cells[-1].sub) == 1
+
+
+def testPartitionDefaultsToParamsWithoutFPropMeta():
+  costs = gpipe.LayerCosts([_Res.Params()] * 3, tf.TensorShape([4, DIM]))
+  assert costs == [2.0 * DIM * HIDDEN] * 3
+  with pytest.raises(ValueError, match=r"needs FPropMeta on every layer; missing on \['_Res'\]"):
+    gpipe.LayerCosts([_Res.Params()], tf.TensorShape([4, DIM]), cost='flops')
+
+
+def testPartitionByMeasuredTime():
+  layer_params = [_Projection(64, 64), _Projection(64, 2048), _Projection(2048, 64)]
+  costs = gpipe.LayerCosts(layer_params, tf.TensorShape([256, 64]), cost='time')
+  assert len(costs) == 3 and all(c > 0 for c in costs)
+  assert costs[1] > costs[0] and costs[2] > costs[0]
+
+
+def testPartitionWithGivenCostsAndErrors():
+  cells = gpipe.PartitionSequentialLayers([_Res.Params()] * 4, 2, None, cost=[5, 1, 1, 1])
+  assert [len(c.sub) for c in cells] == [1, 3]
+  with pytest.raises(ValueError, match='Got 2 costs for 4 layers'):
+    gpipe.PartitionSequentialLayers([_Res.Params()] * 4, 2, None, cost=[1, 1])
+  with pytest.raises(ValueError, match="Unknown cost 'speed'"):
+    gpipe.PartitionSequentialLayers([_Res.Params()] * 4, 2, None, cost='speed')
+  with pytest.raises(ValueError, match='Cannot split 4 layers into 5'):
+    gpipe.PartitionSequentialLayers([_Res.Params()] * 4, 5, None, cost='params')
+
+
+# -- memory: the allocator's peak is the reference ------------------------------------
+
+MEM_ROWS, MEM_DIM, MEM_HIDDEN, MEM_LAYERS = 2048, 128, 512, 8
+
+
+def _PeakBytes(step):
+  """Peak allocator bytes above the live set while `step` runs (traced beforehand)."""
+  tf.nest.map_structure(lambda t: t.numpy(), step())
+  tf.config.experimental.reset_memory_stats('CPU:0')
+  before = tf.config.experimental.get_memory_info('CPU:0')['current']
+  tf.nest.map_structure(lambda t: t.numpy(), step())
+  return tf.config.experimental.get_memory_info('CPU:0')['peak'] - before
+
+
+def _MemLayers():
+  return [_Res.Params().Set(dim=MEM_DIM, hidden=MEM_HIDDEN) for _ in range(MEM_LAYERS)]
+
+
+def _MemPipe(k, m, remat='always', sched='gpipe'):
+  cells = gpipe.PartitionSequentialLayers(_MemLayers(), k, None, cost=[1.0] * MEM_LAYERS)
+  return gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=m, remat=remat,
+      schedule=sched).Instantiate()
+
+
+def _MemInput():
+  return tf.random.stateless_normal([MEM_ROWS, MEM_DIM], [3, 4])
+
+
+def _TapeStep(layer):
+  x = _MemInput()
+
+  @tf.function
+  def Step():
+    with tf.GradientTape() as tape:
+      loss = _Loss(layer(x))
+    return tape.gradient(loss, layer.trainable_variables)
+  return Step
+
+
+def _ForwardBackwardStep(pipe):
+  x = _MemInput()
+  return tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, _Loss)[1])
+
+
+def testPeakMemoryFallsWithMicroBatchesAndStaysFarBelowPlain():
+  plain = gpipe.FeatureExtractionLayer.Params().Set(name='plain', sub=_MemLayers()).Instantiate()
+  plain_peak = _PeakBytes(_TapeStep(plain))
+  for make_step in (_TapeStep, _ForwardBackwardStep):
+    peaks = {m: _PeakBytes(make_step(_MemPipe(4, m))) for m in (4, 8, 16)}
+    assert peaks[8] <= 0.5 * plain_peak, (peaks, plain_peak)
+    # Raising M at a fixed batch never raises the peak (weight gradients are summed as they
+    # come instead of being held per micro-batch).
+    assert peaks[16] <= 1.1 * peaks[8] <= 1.1 * 1.1 * peaks[4], peaks
+
+
+def testOneFOneBBoundsActivationsByStagesNotMicroBatches():
+  """Without remat, fill-drain keeps all M micro-batches' activations; 1F1B at most K."""
+  def Peak(sched, m):
+    return _PeakBytes(_ForwardBackwardStep(_MemPipe(2, m, remat='never', sched=sched)))
+
+  fill_drain, one_f_one_b, one_f_one_b_few = Peak('gpipe', 16), Peak('1f1b', 16), Peak('1f1b', 4)
+  assert one_f_one_b <= 0.5 * fill_drain, (one_f_one_b, fill_drain)
+  assert one_f_one_b <= 1.2 * one_f_one_b_few, (one_f_one_b, one_f_one_b_few)
