@@ -13,6 +13,8 @@ PipeliningLayer's schedule.
 
 import tensorflow as tf
 
+from lingvo_gpipe import lr_schedule
+from lingvo_gpipe import optimizer
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core import py_utils
@@ -21,9 +23,12 @@ from lingvo_gpipe.core import py_utils
 def TrainParams():
   """How a task is trained: optimizer, learning rate, clipping."""
   p = hyperparams.Params()
-  p.Define('optimizer', None, 'Optimizer params; None takes the trainer default.')
+  p.Define('optimizer', optimizer.Adam.Params(),
+           'Optimizer params: SGD, Momentum, Adam or Adafactor of lingvo_gpipe.optimizer.')
   p.Define('learning_rate', 1e-3, 'Base learning rate.')
-  p.Define('lr_schedule', None, 'Learning-rate schedule params; None keeps it constant.')
+  p.Define('lr_schedule', lr_schedule.Constant.Params(),
+           'Learning-rate schedule params (lingvo_gpipe.lr_schedule): the multiplier of '
+           'learning_rate at each step.')
   p.Define('clip_gradient_norm_to_value', 0.0,
            'If > 0, scale gradients so their global norm (over all stages) is at most this.')
   return p
