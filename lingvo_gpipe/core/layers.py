@@ -198,7 +198,10 @@ class ProjectionLayer(base_layer.BaseLayer):
     """[..., input_dim] -> [..., output_dim]."""
     theta = self.ToFPropDtype(theta)
     x = self.ToFPropDtype(inputs)
-    return _BiasAndActivation(tf.einsum('...i,io->...o', x, theta.w), theta, self.params)
+    # A 2-D matmul: an ellipsis einsum's weight gradient materializes [rows, in, out].
+    y = tf.matmul(tf.reshape(x, [-1, self.params.input_dim]), theta.w)
+    y = tf.reshape(y, tf.concat([tf.shape(x)[:-1], [self.params.output_dim]], 0))
+    return _BiasAndActivation(y, theta, self.params)
 
   @classmethod
   def FPropMeta(cls, params, input_shape):
