@@ -1,0 +1,213 @@
+"""Tasks on GPipe stacks: language model, encoder-decoder and image classifier.
+
+A task holds one stack (a layers_with_gpipe PipeliningLayer) as its child
+`stack`. ForwardBackward runs the stack's pipeline schedule with a loss_fn
+returning the metrics, so metrics such as token accuracy merge exactly over
+micro-batches; FPropTower runs the pipelined forward (differentiable in
+training, forward-only in eval mode) and computes the same metrics.
+
+Metrics are (value, weight) pairs:
+  loss: the trained, label-smoothed cross entropy per token (or example);
+  log_pplx: -log p(label) per token, the log-perplexity;
+  token_accuracy / top1: share of argmax predictions equal to the labels;
+  sequence_accuracy: share of sequences all of whose weighted tokens are right.
+
+With tied embeddings one tf.Variable appears twice in theta, and the gradients
+ForwardBackward returns hold one part for each occurrence: sum them per
+variable with GradientsByVariable before applying them.
+"""
+
+import tensorflow as tf
+
+from lingvo_gpipe import base_model
+from lingvo_gpipe.core import layers_with_gpipe
+from lingvo_gpipe.core import py_utils
+
+# Floor of a total weight that divides a metric, so an all-padded batch gives 0, not NaN.
+_TINY_WEIGHT = 1e-9
+
+
+def GradientsByVariable(vars_nested, grads_nested):
+  """[(summed gradient, variable)] of the trainable variables, one entry per variable.
+
+  Args:
+    vars_nested: a structure of tf.Variables (e.g. task.vars), in which a
+      variable may appear several times (tied weights).
+    grads_nested: gradients of the same structure (e.g. from ForwardBackward),
+      each the part of the gradient due to that occurrence.
+
+  Returns:
+    A list of (gradient, variable) in order of first occurrence, the gradients
+    of a variable's occurrences summed; non-trainable variables are left out.
+  """
+  tf.nest.assert_same_structure(vars_nested, grads_nested)
+  summed = {}
+  for var, grad in zip(tf.nest.flatten(vars_nested), tf.nest.flatten(grads_nested)):
+    if var.trainable:
+      key = var.ref()
+      summed[key] = grad if key not in summed else summed[key] + grad
+  return [(grad, key.deref()) for key, grad in summed.items()]
+
+
+def _WeightedMean(values, weights):
+  total = tf.reduce_sum(weights)
+  return tf.reduce_sum(values * weights) / tf.maximum(total, _TINY_WEIGHT), total
+
+
+def SequenceMetrics(outputs):
+  """Metrics of the softmax's per-token outputs [B, T] (see the module docstring)."""
+  weights = outputs.weights
+  correct = tf.cast(tf.equal(outputs.argmax, outputs.labels), tf.float32)
+  has_tokens = tf.cast(tf.reduce_any(weights > 0.0, axis=-1), tf.float32)
+  all_correct = tf.reduce_min(tf.where(weights > 0.0, correct, 1.0), axis=-1)
+  return py_utils.NestedMap(
+      loss=_WeightedMean(outputs.xent, weights),
+      log_pplx=_WeightedMean(outputs.nll, weights),
+      token_accuracy=_WeightedMean(correct, weights),
+      sequence_accuracy=_WeightedMean(all_correct, has_tokens))
+
+
+def ClassificationMetrics(outputs):
+  """Metrics of the softmax's per-example outputs [B]."""
+  correct = tf.cast(tf.equal(outputs.argmax, outputs.labels), tf.float32)
+  return py_utils.NestedMap(loss=_WeightedMean(outputs.xent, outputs.weights),
+                            log_pplx=_WeightedMean(outputs.nll, outputs.weights),
+                            top1=_WeightedMean(correct, outputs.weights))
+
+
+class PipelinedTask(base_model.BaseTask):
+  """A task whose network is one GPipe stack; subclasses map batches and metrics."""
+
+  # The stack class a subclass needs.
+  STACK_CLASS = None
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('stack', None, 'Params of the layers_with_gpipe stack.')
+    p.Define('input', None,
+             'Params of the input generator feeding the task; when set, instantiation checks '
+             'that they fit the stack (vocabulary, lengths, image shape).')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if p.stack is None or not issubclass(p.stack.cls, self.STACK_CLASS):
+      raise ValueError(f'{self.path}: stack must be {self.STACK_CLASS.__name__} params, got '
+                       f'{None if p.stack is None else p.stack.cls.__name__}.')
+    self.CheckStack(p.stack)
+    if p.input is not None:
+      self.CheckInput(p.stack, p.input)
+    self.CreateChild('stack', p.stack)
+
+  def CheckStack(self, stack):
+    """Raises a ValueError if the stack params do not suit this task."""
+
+  def CheckInput(self, stack, input_params):
+    """Raises a ValueError if the input params do not suit the stack."""
+    raise NotImplementedError(f'{type(self).__name__}.CheckInput')
+
+  def PipelineInput(self, input_batch):
+    """The stack's input state of an input batch."""
+    raise NotImplementedError(f'{type(self).__name__}.PipelineInput')
+
+  def Metrics(self, outputs):
+    """Metrics (value, weight) of the stack's outputs: the pipeline's loss_fn."""
+    raise NotImplementedError(f'{type(self).__name__}.Metrics')
+
+  def ComputePredictions(self, theta, input_batch):
+    """The stack's per-token (or per-example) outputs."""
+    return self.stack.FProp(theta.stack, self.PipelineInput(input_batch))
+
+  def ComputeLoss(self, theta, predictions, input_batch):
+    del theta, input_batch  # The predictions carry labels and weights.
+    return self.Metrics(predictions)
+
+  def ForwardBackward(self, theta, input_batch):
+    metrics, grads = self.stack.ForwardBackward(theta.stack, self.PipelineInput(input_batch),
+                                                self.Metrics)
+    return metrics, py_utils.NestedMap(stack=grads)
+
+
+def _CheckSequenceInput(task, stack, input_params):
+  """The input's vocabulary is the stack's, and its sequences fit the position table."""
+  vocab = stack.emb_tpl.vocab_size
+  if input_params.vocab_size != vocab or stack.softmax_tpl.num_classes != vocab:
+    raise ValueError(f'{task.path}: vocabulary mismatch: input vocab_size='
+                     f'{input_params.vocab_size}, stack emb_tpl.vocab_size={vocab}, '
+                     f'softmax_tpl.num_classes={stack.softmax_tpl.num_classes}; expected all '
+                     'equal.')
+  if input_params.seq_len > stack.max_seq_len:
+    raise ValueError(f'{task.path}: input seq_len={input_params.seq_len} is longer than the '
+                     f'position table, stack max_seq_len={stack.max_seq_len}; expected '
+                     f'seq_len <= {stack.max_seq_len}.')
+
+
+class LanguageModelTask(PipelinedTask):
+  """A decoder-only Transformer LM on NestedMap(ids, labels, paddings, weights) batches."""
+
+  STACK_CLASS = layers_with_gpipe.GPipeTransformerStack
+
+  def CheckStack(self, stack):
+    if stack.num_encoder_layers or not stack.num_decoder_layers:
+      raise ValueError(f'{self.path}: a language model needs num_encoder_layers=0 and '
+                       f'num_decoder_layers > 0, got {stack.num_encoder_layers} and '
+                       f'{stack.num_decoder_layers}.')
+
+  def CheckInput(self, stack, input_params):
+    _CheckSequenceInput(self, stack, input_params)
+
+  def PipelineInput(self, input_batch):
+    b = input_batch
+    return py_utils.NestedMap(tgt=py_utils.NestedMap(
+        ids=b.ids, labels=b.labels, paddings=b.paddings, weights=b.weights))
+
+  def Metrics(self, outputs):
+    return SequenceMetrics(outputs)
+
+
+class EncoderDecoderTask(PipelinedTask):
+  """A Transformer encoder-decoder on NestedMap(src, tgt) batches (teacher forcing)."""
+
+  STACK_CLASS = layers_with_gpipe.GPipeTransformerStack
+
+  def CheckStack(self, stack):
+    if not (stack.num_encoder_layers and stack.num_decoder_layers):
+      raise ValueError(f'{self.path}: an encoder-decoder needs num_encoder_layers > 0 and '
+                       f'num_decoder_layers > 0, got {stack.num_encoder_layers} and '
+                       f'{stack.num_decoder_layers}.')
+
+  def CheckInput(self, stack, input_params):
+    _CheckSequenceInput(self, stack, input_params)
+
+  def PipelineInput(self, input_batch):
+    src, tgt = input_batch.src, input_batch.tgt
+    return py_utils.NestedMap(
+        src=py_utils.NestedMap(ids=src.ids, paddings=src.paddings),
+        tgt=py_utils.NestedMap(ids=tgt.ids, labels=tgt.labels, paddings=tgt.paddings,
+                               weights=tgt.weights))
+
+  def Metrics(self, outputs):
+    return SequenceMetrics(outputs)
+
+
+class ImageClassifierTask(PipelinedTask):
+  """A residual conv net on NestedMap(image [B, H, W, C], label [B]) batches."""
+
+  STACK_CLASS = layers_with_gpipe.GPipeResNetStack
+
+  def CheckInput(self, stack, input_params):
+    if (tuple(input_params.image_shape) != tuple(stack.image_shape) or
+        input_params.num_classes != stack.num_classes):
+      raise ValueError(f'{self.path}: input images {tuple(input_params.image_shape)} of '
+                       f'{input_params.num_classes} classes, but the stack expects '
+                       f'{tuple(stack.image_shape)} of {stack.num_classes} classes.')
+
+  def PipelineInput(self, input_batch):
+    labels = input_batch.label
+    return py_utils.NestedMap(image=py_utils.NestedMap(
+        vecs=input_batch.image, labels=labels, weights=tf.ones_like(labels, tf.float32)))
+
+  def Metrics(self, outputs):
+    return ClassificationMetrics(outputs)
