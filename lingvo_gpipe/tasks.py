@@ -44,7 +44,7 @@ def GradientsByVariable(vars_nested, grads_nested):
   summed = {}
   for var, grad in zip(tf.nest.flatten(vars_nested), tf.nest.flatten(grads_nested)):
     if var.trainable:
-      key = var.ref()
+      key, grad = var.ref(), tf.convert_to_tensor(grad)
       summed[key] = grad if key not in summed else summed[key] + grad
   return [(grad, key.deref()) for key, grad in summed.items()]
 

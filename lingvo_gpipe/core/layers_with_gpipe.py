@@ -176,8 +176,12 @@ class SharedEmbeddingProjection(base_layer.BaseLayer):
   def FProp(self, theta, inputs):
     if 'emb' not in theta:
       raise ValueError(f'{self.path}: no embedding table is shared yet; call ShareTable.')
+    p = self.params
     theta = self.ToFPropDtype(theta)
-    return tf.einsum('...d,vd->...v', self.ToFPropDtype(inputs), theta.emb) + theta.b
+    x = self.ToFPropDtype(inputs)
+    # A 2-D matmul, as ProjectionLayer's: an ellipsis einsum's weight gradient is 3-D.
+    logits = tf.matmul(tf.reshape(x, [-1, p.input_dim]), theta.emb, transpose_b=True)
+    return tf.reshape(logits, tf.concat([tf.shape(x)[:-1], [p.output_dim]], 0)) + theta.b
 
   @classmethod
   def FPropMeta(cls, params, input_shape):

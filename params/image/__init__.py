@@ -1,0 +1,1 @@
+"""Image classification experiment params."""

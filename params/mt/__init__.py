@@ -1,0 +1,1 @@
+"""Encoder-decoder (translation) experiment params."""

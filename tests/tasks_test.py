@@ -1,0 +1,256 @@
+"""Tests of tasks: metrics, tied gradients, pipelined training that learns, config errors."""
+
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe import model_registry
+from lingvo_gpipe import tasks
+from lingvo_gpipe.core import layers
+from lingvo_gpipe.core import layers_with_gpipe
+from lingvo_gpipe.core import py_utils
+
+NestedMap = py_utils.NestedMap
+
+
+def _Close(actual, expected, tol=2e-5):
+  np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=tol, atol=tol)
+
+
+def _Key(var):
+  """A variable's path below its pipeline cell (or below the reference's root)."""
+  parts = var.name.split(':')[0].split('/')
+  cells = [i for i, part in enumerate(parts) if part.startswith('cell')]
+  return '/'.join(parts[cells[0] + 1:] if cells else parts[1:])
+
+
+# -- GradientsByVariable and metrics ------------------------------------------------
+
+
+def testGradientsByVariableSumsEachVariableOnce():
+  a, b = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
+  frozen = tf.Variable(0.0, trainable=False)
+  variables = NestedMap(x=[a, b], y=NestedMap(a=a, frozen=frozen))
+  grads = NestedMap(x=[tf.constant([1.0, 1.0]), tf.constant(5.0)],
+                    y=NestedMap(a=tf.constant([0.5, 2.0]), frozen=tf.constant(9.0)))
+  pairs = tasks.GradientsByVariable(variables, grads)
+  assert [v for _, v in pairs] == [a, b]  # Order of first occurrence; no frozen one.
+  _Close(pairs[0][0], [1.5, 3.0])
+  _Close(pairs[1][0], 5.0)
+
+
+def testSequenceMetricsMatchHandCounts():
+  outputs = NestedMap(
+      xent=tf.constant([[1.0, 2.0, 9.0], [3.0, 4.0, 5.0]]),
+      nll=tf.constant([[0.5, 1.0, 9.0], [1.5, 2.0, 2.5]]),
+      argmax=tf.constant([[1, 2, 0], [1, 1, 1]]),
+      labels=tf.constant([[1, 2, 3], [1, 0, 1]]),
+      weights=tf.constant([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]))
+  m = tasks.SequenceMetrics(outputs)
+  _Close(m.loss, (15.0 / 5, 5.0))
+  _Close(m.log_pplx, (7.5 / 5, 5.0))
+  _Close(m.token_accuracy, (4.0 / 5, 5.0))
+  _Close(m.sequence_accuracy, (0.5, 2.0))  # The padded mistake of sequence 0 does not count.
+
+
+def testClassificationMetricsMatchHandCounts():
+  outputs = NestedMap(xent=tf.constant([1.0, 3.0]), nll=tf.constant([1.0, 3.0]),
+                      argmax=tf.constant([4, 2]), labels=tf.constant([4, 1]),
+                      weights=tf.constant([1.0, 3.0]))
+  m = tasks.ClassificationMetrics(outputs)
+  _Close(m.loss, (2.5, 4.0))
+  _Close(m.top1, (0.25, 4.0))
+
+
+# -- tasks on small stacks ----------------------------------------------------------
+
+
+def _Stack(**kwargs):
+  p = layers_with_gpipe.GPipeTransformerStack.Params().Set(
+      name='stack', model_dim=8, num_heads=2, hidden_dim=16, max_seq_len=6, splits=2,
+      num_micro_batches=4, num_decoder_layers=2)
+  p.emb_tpl.vocab_size = p.softmax_tpl.num_classes = 9
+  return p.Set(**kwargs)
+
+
+def _Ints(shape, seed, high=9):
+  return tf.random.stateless_uniform(shape, [seed, 1], 1, high, dtype=tf.int32)
+
+
+def _LmBatch():
+  weights = tf.sequence_mask([6, 3, 5, 1], 6, dtype=tf.float32)
+  return NestedMap(ids=_Ints([4, 6], 1), labels=_Ints([4, 6], 2), paddings=1.0 - weights,
+                   weights=weights)
+
+
+def _MtBatch():
+  src_paddings = 1.0 - tf.sequence_mask([4, 2, 1, 3], 4, dtype=tf.float32)
+  tgt = _LmBatch()
+  return NestedMap(src=NestedMap(ids=_Ints([4, 4], 3), paddings=src_paddings), tgt=tgt)
+
+
+def _ImageBatch():
+  return NestedMap(image=tf.random.stateless_normal([4, 8, 8, 3], [4, 1]),
+                   label=_Ints([4], 5, high=3))
+
+
+_TASKS = {
+    'lm': lambda: (tasks.LanguageModelTask.Params().Set(name='lm', stack=_Stack()), _LmBatch()),
+    'mt': lambda: (tasks.EncoderDecoderTask.Params().Set(
+        name='mt', stack=_Stack(num_encoder_layers=2, splits=3)), _MtBatch()),
+    'image': lambda: (tasks.ImageClassifierTask.Params().Set(
+        name='image', stack=layers_with_gpipe.GPipeResNetStack.Params().Set(
+            name='stack', image_shape=(8, 8, 3), num_classes=3, stem_channels=4,
+            block_channels=[4, 8], splits=2, num_micro_batches=2)), _ImageBatch()),
+}
+
+
+@pytest.mark.parametrize('kind', sorted(_TASKS))
+def testScheduledForwardBackwardEqualsTapeOverFPropTower(kind):
+  """The pipeline schedule's metrics and gradients equal the differentiable FProp's."""
+  params, batch = _TASKS[kind]()
+  task = params.Instantiate()
+  metrics, grads = task.ForwardBackward(task.theta, batch)
+  tape_metrics, tape_grads = super(tasks.PipelinedTask, task).ForwardBackward(task.theta, batch)
+  assert sorted(metrics) == sorted(tape_metrics)
+  tf.nest.map_structure(_Close, metrics, tape_metrics)
+  tf.nest.map_structure(lambda a, b: _Close(a, tf.convert_to_tensor(b)), grads, tape_grads)
+  with py_utils.EvalMode():
+    predictions = task.Inference(task.theta, batch)
+    eval_metrics = task.FPropTower(task.theta, batch)
+  assert predictions.argmax.dtype == tf.int32
+  _Close(eval_metrics.loss[0], tf.reduce_sum(predictions.xent * predictions.weights) /
+         tf.reduce_sum(predictions.weights))
+
+
+def testTiedGradientSumEqualsTheSingleWeightGradient():
+  """Embedding on stage 0, softmax on stage 1: their two gradient parts add up."""
+  p = tasks.LanguageModelTask.Params().Set(name='lm', stack=_Stack(tie_embeddings=True))
+  task, batch = p.Instantiate(), _LmBatch()
+  table = task.stack.cell[0].sub[0].vars.emb.emb
+  assert task.stack.cell[1].sub[-1].vars.softmax.proj.emb is table
+  metrics, grads = task.ForwardBackward(task.theta, batch)
+  pairs = tasks.GradientsByVariable(task.vars, grads)
+  parts = [g for v, g in zip(tf.nest.flatten(task.vars), tf.nest.flatten(grads)) if v is table]
+  assert len(parts) == 2 and all(np.abs(tf.convert_to_tensor(g)).max() > 0 for g in parts)
+
+  # One device, one weight used for both the input embedding and the logits.
+  stack_p = p.stack
+  ref = layers.SequentialLayer.Params().Set(
+      name='ref', sub=stack_p.cls.LayerParams(stack_p)).Instantiate()
+  layers_with_gpipe.TieSoftmaxToEmbedding(ref.sub)
+  values = {_Key(v): v for v in task.variables}
+  for v in ref.variables:
+    v.assign(values[_Key(v)])
+  with tf.GradientTape() as tape:
+    loss = tasks.SequenceMetrics(ref.FProp(ref.theta, task.PipelineInput(batch))).loss[0]
+  ref_grads = dict(zip([_Key(v) for v in ref.trainable_variables],
+                       tape.gradient(loss, ref.trainable_variables)))
+  _Close(metrics.loss[0], loss)
+  assert len(pairs) == len(ref_grads)
+  for grad, var in pairs:
+    _Close(grad, tf.convert_to_tensor(ref_grads[_Key(var)]))
+
+
+# -- configuration errors -------------------------------------------------------------
+
+
+def _LmInput(**kwargs):
+  return model_registry.GetParams('lm.synthetic.GPipeTransformerLmTiny', 'Train').input.Set(
+      **kwargs)
+
+
+@pytest.mark.parametrize('make_params,message', [
+    (lambda: tasks.LanguageModelTask.Params().Set(
+        name='lm', stack=_Stack(), input=_LmInput(vocab_size=10, seq_len=6, max_len=2)),
+     r'vocabulary mismatch: input vocab_size=10, stack emb_tpl.vocab_size=9'),
+    (lambda: tasks.LanguageModelTask.Params().Set(
+        name='lm', stack=_Stack(**{'emb_tpl.vocab_size': 14, 'softmax_tpl.num_classes': 14}),
+        input=_LmInput()),
+     r'input seq_len=14 is longer than the position table, stack max_seq_len=6'),
+    (lambda: tasks.LanguageModelTask.Params().Set(
+        name='lm', stack=_Stack(num_encoder_layers=1)),
+     r'language model needs num_encoder_layers=0'),
+    (lambda: tasks.EncoderDecoderTask.Params().Set(name='mt', stack=_Stack()),
+     r'encoder-decoder needs num_encoder_layers > 0'),
+    (lambda: tasks.ImageClassifierTask.Params().Set(name='image', stack=_Stack()),
+     r'stack must be GPipeResNetStack params, got GPipeTransformerStack'),
+    (lambda: _TASKS['image']()[0].Set(input=model_registry.GetParams(
+        'image.synthetic.GPipeConvNet', 'Train').input),
+     r'input images \(16, 16, 3\) of 10 classes, but the stack expects \(8, 8, 3\) of 3'),
+])
+def testBadConfigsAreClearErrorsAtInstantiation(make_params, message):
+  with pytest.raises(ValueError, match=message):
+    make_params().Instantiate()
+
+
+# -- training learns --------------------------------------------------------------------
+
+
+class _Adam:
+  """Plain Adam, written here so the test assumes nothing of the library's optimizers."""
+
+  def __init__(self, variables, learning_rate, beta1=0.9, beta2=0.999, epsilon=1e-8):
+    self.lr, self.b1, self.b2, self.eps = learning_rate, beta1, beta2, epsilon
+    self.m = [tf.Variable(tf.zeros_like(v)) for v in variables]
+    self.v = [tf.Variable(tf.zeros_like(v)) for v in variables]
+    self.t = tf.Variable(0.0)
+
+  def Apply(self, grads_and_vars):
+    t = self.t.assign_add(1.0)
+    scale = self.lr * tf.sqrt(1.0 - self.b2 ** t) / (1.0 - self.b1 ** t)
+    for (g, var), m, v in zip(grads_and_vars, self.m, self.v):
+      m.assign(self.b1 * m + (1.0 - self.b1) * g)
+      v.assign(self.b2 * v + (1.0 - self.b2) * g * g)
+      var.assign_sub(scale * m / (tf.sqrt(v) + self.eps))
+
+
+def _TrainRegisteredModel(key, steps):
+  """Dev metrics before and after `steps` pipelined Adam steps of a registered model."""
+  p = model_registry.GetParams(key, 'Train')
+  task = p.task.Instantiate()
+  train = iter(p.input.Instantiate().GetDataset())
+  dev = list(model_registry.GetParams(key, 'Dev').input.Instantiate().GetDataset())
+  adam = _Adam([v for _, v in tasks.GradientsByVariable(task.vars, task.vars)],
+               p.task.train.learning_rate)
+
+  @tf.function
+  def Step(batch, step):
+    with py_utils.Context(step=step):
+      metrics, grads = task.ForwardBackward(task.theta, batch)
+    adam.Apply(tasks.GradientsByVariable(task.vars, grads))
+    return metrics.loss[0]
+
+  @tf.function
+  def Evaluate(batch):
+    with py_utils.EvalMode():
+      return task.FPropTower(task.theta, batch)
+
+  def DevMetrics():
+    results = [Evaluate(batch) for batch in dev]
+    return {name: float(sum(r[name][0] * r[name][1] for r in results) /
+                        sum(r[name][1] for r in results)) for name in results[0]}
+
+  before = DevMetrics()
+  start = time.time()
+  for i in range(steps):
+    Step(next(train), tf.constant(i, tf.int64))
+  after = DevMetrics()
+  print(f'{key}: {steps} steps in {time.time() - start:.1f}s; dev before {before}, after {after}')
+  return before, after
+
+
+def testTinyLmLearnsToReverse():
+  before, after = _TrainRegisteredModel('lm.synthetic.GPipeTransformerLmTiny', steps=200)
+  assert before['loss'] > 2.5  # Chance is log(14) = 2.64.
+  assert after['loss'] < before['loss'] - 1.5
+  assert after['token_accuracy'] > 0.6
+
+
+def testEncoderDecoderLearnsToReverse():
+  before, after = _TrainRegisteredModel('mt.synthetic.GPipeTransformerReverse', steps=200)
+  assert before['loss'] > 2.5
+  assert after['loss'] < before['loss'] - 1.5
+  assert after['token_accuracy'] > 0.6
