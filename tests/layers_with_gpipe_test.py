@@ -268,6 +268,16 @@ def testTiedStackSharesOneVariableAcrossStages():
   assert len(flat) == len({v.ref() for v in flat}) + 1
 
 
+def testTiedStackCheckpointRestoresTheSharedTableOnce(tmp_path):
+  stack = _STACKS['tied_lm'](splits=2).Instantiate()
+  path = tf.train.Checkpoint(stack=stack).save(str(tmp_path / 'ckpt'))
+  other = _STACKS['tied_lm'](splits=2, random_seed=5).Instantiate()
+  tf.train.Checkpoint(stack=other).restore(path).assert_consumed()
+  for a, b in zip(stack.variables, other.variables):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+  assert other.cell[1].sub[-1].vars.softmax.proj.emb is other.cell[0].sub[0].vars.emb.emb
+
+
 def testFPropMetaShapesMatchOutputs():
   for kind in ('encdec', 'resnet'):
     p = _STACKS[kind]()

@@ -20,6 +20,20 @@ replaces the state with per-example results that a task reduces to metrics:
 
 Every tensor of the state has the batch as dimension 0, as the pipeline splits
 all of them into micro-batches.
+
+Example, a 4-stage language model run as 16 micro-batches (tasks.LanguageModelTask
+wraps exactly this, with metrics as the loss_fn):
+
+  p = layers_with_gpipe.GPipeTransformerStack.Params().Set(
+      name='stack', model_dim=256, num_heads=4, hidden_dim=1024, num_decoder_layers=8,
+      max_seq_len=64, splits=4, num_micro_batches=16)
+  p.emb_tpl.vocab_size = p.softmax_tpl.num_classes = 256
+  stack = p.Instantiate()
+  loss, grads = stack.ForwardBackward(stack.theta, NestedMap(tgt=batch), loss_fn)
+
+Initial weights and dropout masks depend on each variable's and layer's path,
+which includes its cell: the same stack split differently starts from other
+weights. To compare splits, copy weights by the path below the cell.
 """
 
 import tensorflow as tf
