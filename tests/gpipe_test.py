@@ -79,7 +79,7 @@ def _ReferenceLossAndGrads(pipe, x):
 
 
 def _RelErr(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  a, b = (np.asarray(tf.convert_to_tensor(t), np.float64) for t in (a, b))
   return np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12)
 
 
@@ -566,3 +566,45 @@ def testOneFOneBBoundsActivationsByStagesNotMicroBatches():
   fill_drain, one_f_one_b, one_f_one_b_few = Peak('gpipe', 16), Peak('1f1b', 16), Peak('1f1b', 4)
   assert one_f_one_b <= 0.5 * fill_drain, (one_f_one_b, fill_drain)
   assert one_f_one_b <= 1.2 * one_f_one_b_few, (one_f_one_b, one_f_one_b_few)
+
+
+# -- conformance: every layer pipelines like its micro-batched plain run ----------------
+
+def _PipelinableCases():
+  """Conformance cases whose inputs and outputs all carry the batch on dimension 0.
+
+  Left out: the positional embedding (its input is a length, not a batch) and
+  the softmax (its outputs include whole-batch scalars such as total_xent).
+  """
+  from layer_conformance_test import ConformanceCases  # pylint: disable=g-import-not-at-top
+  return [c for c in ConformanceCases() if c.name not in ('positional_embedding', 'softmax')]
+
+
+@pytest.mark.parametrize('case', _PipelinableCases(), ids=lambda c: c.name)
+def testEveryLayerPipelinesLikeItsMicroBatchedPlainRun(case):
+  """A one-cell pipeline of M=2 equals the layer run on each micro-batch in turn."""
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=[case.params.Copy().Set(name='cell0')],
+      num_micro_batches=2).Instantiate()
+  inputs = case.make_inputs()
+
+  def Loss(out):
+    floats = [t for t in tf.nest.flatten(out) if t.dtype.is_floating]
+    return tf.add_n([tf.reduce_sum(tf.sin(tf.cast(t, tf.float32))) for t in floats])
+
+  with tf.GradientTape() as tape:
+    pieces = []
+    for m, piece in enumerate(zip(*[tf.split(t, 2) for t in inputs])):
+      with py_utils.Context(micro_batch=m, updates=[]):
+        pieces.append(pipe.cell[0].FProp(pipe.theta.cell[0], *piece))
+    ref = tf.nest.map_structure(lambda *t: tf.concat(t, 0), *pieces)
+    ref_loss = Loss(ref)
+  ref_grads = tape.gradient(ref_loss, pipe.trainable_variables)
+  with tf.GradientTape() as tape:
+    out = pipe(*inputs)
+    loss = Loss(out)
+  grads = tape.gradient(loss, pipe.trainable_variables)
+  for got, want in zip(tf.nest.flatten(out), tf.nest.flatten(ref)):
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+  assert _RelErr(loss, ref_loss) <= 1e-5
+  _AssertGradsClose(grads, ref_grads, tol=1e-5)
