@@ -1,0 +1,192 @@
+"""What the trainer binary and the Estimator share around the training step.
+
+The host side of training (run the device loop, write TensorBoard summaries,
+log progress, save checkpoints, stop on non-finite values), evaluation over a
+dataset with exact (value, weight) metric averaging, and the input contract.
+
+Input contract (base_input_generator.BaseInputGenerator's): an experiment's
+input params are InstantiableParams whose instance has
+`GetDataset(start_batch=0)`, a tf.data.Dataset of NestedMap batches with a
+static batch size from batch `start_batch` on. A resumed trainer passes its
+global step, so training continues with the batches it has not seen.
+"""
+
+import dataclasses
+import datetime
+import time
+
+from absl import logging
+import numpy as np
+import tensorflow as tf
+
+
+class UserError(Exception):
+  """A mistake the user can fix; binaries print its message as one line and exit non-zero."""
+
+
+class NonFiniteError(UserError):
+  """The loss or the gradients became NaN or Inf."""
+
+
+def InputDataset(input_params, start_batch=0):
+  """The tf.data.Dataset of an experiment's input params (see the module doc)."""
+  if input_params is None:
+    raise UserError('The model params have no input params (model.input is None).')
+  generator = input_params.Instantiate()
+  if not hasattr(generator, 'GetDataset'):
+    raise UserError(f'Input generator {type(generator).__name__} has no GetDataset(start_batch) '
+                    'method returning a tf.data.Dataset.')
+  dataset = generator.GetDataset(start_batch=start_batch)
+  if not isinstance(dataset, tf.data.Dataset):
+    raise UserError(f'{type(generator).__name__}.GetDataset() returned {type(dataset).__name__}, '
+                    'not a tf.data.Dataset.')
+  return dataset
+
+
+def BatchSize(element_spec):
+  """The static leading dimension of the first tensor of a batch, or None."""
+  leaves = tf.nest.flatten(element_spec)
+  return leaves[0].shape[0] if leaves and leaves[0].shape.rank else None
+
+
+# TensorBoard's scalar-plugin metadata, so scalars are written without the
+# tensorboard package (tf.summary.scalar needs it installed).
+_SCALAR_METADATA = tf.compat.v1.SummaryMetadata(
+    plugin_data=tf.compat.v1.SummaryMetadata.PluginData(plugin_name='scalars'),
+    data_class='DATA_CLASS_SCALAR')
+
+
+def WriteScalars(writer, step, scalars):
+  """Writes TensorBoard scalars name -> value at `step`."""
+  with writer.as_default(step=step):
+    for name, value in scalars.items():
+      tf.summary.write(name, tf.cast(value, tf.float32), metadata=_SCALAR_METADATA)
+  writer.flush()
+
+
+def _Crossed(before, after, interval):
+  """Whether a multiple of `interval` lies in (before, after]."""
+  return interval > 0 and after // interval > before // interval
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+  """How often the host loop does what, in steps."""
+  max_steps: int
+  steps_per_loop: int = 1
+  save_interval_steps: int = 1000
+  summary_interval_steps: int = 100
+  log_interval_steps: int = 100
+
+  def __post_init__(self):
+    for name in ('steps_per_loop', 'save_interval_steps'):
+      if getattr(self, name) < 1:
+        raise UserError(f'{name} must be at least 1, got {getattr(self, name)}.')
+
+
+class _Progress:
+  """Speed and time-left estimates; the first loop call (tracing) is left out."""
+
+  def __init__(self, max_steps, batch_size):
+    self._max_steps = max_steps
+    self._batch_size = batch_size
+    self._steps = 0
+    self._seconds = 0.0
+    self._calls = 0
+
+  def Record(self, steps, seconds):
+    self._calls += 1
+    if self._calls > 1:
+      self._steps += steps
+      self._seconds += seconds
+
+  def Speed(self, steps, seconds):
+    """step_time and examples_per_second of one loop call."""
+    speed = {'step_time': seconds / steps}
+    if self._batch_size:
+      speed['examples_per_second'] = self._batch_size * steps / seconds
+    return speed
+
+  def TimeLeft(self, step):
+    if not self._steps or self._max_steps == np.inf:
+      return '?'
+    seconds = (self._max_steps - step) * self._seconds / self._steps
+    return str(datetime.timedelta(seconds=round(seconds)))
+
+
+def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, batch_size):
+  """Trains until settings.max_steps or the end of the input; returns the global step.
+
+  Args:
+    loop_fn: Learner.BuildLoop's function.
+    iterator: the input iterator.
+    global_step: the global step variable.
+    checkpointer: a Checkpointer; saves at multiples of save_interval_steps and at the end.
+    writer: a tf.summary writer for the training summaries.
+    settings: LoopSettings.
+    batch_size: examples per step, for examples_per_second (None to leave it out).
+
+  Raises:
+    NonFiniteError: when a step's loss or gradients are not finite; that step
+      is not applied and no checkpoint is written for it.
+  """
+  s = settings
+  step = int(global_step.numpy())
+  progress = _Progress(s.max_steps, batch_size)
+  while step < s.max_steps:
+    # Loops end at checkpoint steps, so checkpoints land on multiples of the interval.
+    to_save = s.save_interval_steps - step % s.save_interval_steps
+    num_steps = int(min(s.steps_per_loop, s.max_steps - step, to_save))
+    start = time.time()
+    try:
+      out = loop_fn(iterator, tf.constant(num_steps, tf.int64))
+    except tf.errors.OutOfRangeError:
+      step = int(global_step.numpy())
+      logging.info('The input ended at step %d.', step)
+      break
+    seconds = time.time() - start
+    new_step = int(global_step.numpy())
+    if not bool(out.finite):
+      raise NonFiniteError(
+          f'Step {new_step}: loss {float(out.loss):g}, gradient norm {float(out.grad_norm):g} '
+          'is not finite; training stopped without applying the step. Last good checkpoint: '
+          f'{checkpointer.latest or "none"}.')
+    progress.Record(new_step - step, seconds)
+    speed = progress.Speed(new_step - step, seconds)
+    if _Crossed(step, new_step, s.summary_interval_steps):
+      scalars = {name: value for name, (value, _) in out.metrics.items()}
+      scalars.update(learning_rate=out.learning_rate, grad_norm=out.grad_norm, **speed)
+      WriteScalars(writer, new_step, scalars)
+    if _Crossed(step, new_step, s.log_interval_steps):
+      examples = (f'  {speed["examples_per_second"]:.1f} examples/s'
+                  if 'examples_per_second' in speed else '')
+      logging.info('step %d/%s  loss %.5g%s  %.4f s/step  time left %s', new_step,
+                   s.max_steps, float(out.loss), examples, speed['step_time'],
+                   progress.TimeLeft(new_step))
+    step = new_step
+    if step % s.save_interval_steps == 0:
+      checkpointer.Save()
+  checkpointer.Save()
+  return step
+
+
+def Evaluate(eval_fn, dataset, num_batches=None):
+  """Metrics averaged over batches as sum(value * weight) / sum(weight).
+
+  Args:
+    eval_fn: batch -> NestedMap name -> (value, weight).
+    dataset: the batches; evaluation stops at its end or after num_batches.
+    num_batches: at most this many batches; None for the whole dataset.
+
+  Returns:
+    (dict name -> float, number of batches evaluated).
+  """
+  if num_batches is not None:
+    dataset = dataset.take(num_batches)
+  sums, weights, count = {}, {}, 0
+  for batch in dataset:
+    for name, (value, weight) in eval_fn(batch).items():
+      sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
+      weights[name] = weights.get(name, 0.0) + float(weight)
+    count += 1
+  return {name: sums[name] / weights[name] for name in sums}, count

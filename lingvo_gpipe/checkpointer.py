@@ -1,0 +1,131 @@
+"""Checkpoints named by global step that survive kill -9 and refuse other models.
+
+`<dir>/ckpt-<global step>` files are written by tf.train.CheckpointManager,
+which updates the `checkpoint` index file (atomically) only once a checkpoint's
+files are complete, so the latest checkpoint always loads, wherever a run is
+killed. Each checkpoint also stores the model's signature (every variable's
+name, shape and dtype), so restoring one from a different model stops with a
+message naming the first difference, before anything is loaded or written.
+"""
+
+from absl import logging
+import tensorflow as tf
+
+from lingvo_gpipe import base_runner
+
+_SIGNATURE = 'model_signature'
+_SIGNATURE_KEY = f'{_SIGNATURE}/.ATTRIBUTES/VARIABLE_VALUE'
+
+
+def _VariableName(var):
+  return var.name[:-2] if var.name.endswith(':0') else var.name
+
+
+def ModelSignature(variables):
+  """'name shape dtype' lines of the variables, sorted; what a checkpoint must match."""
+  unique = {v.ref(): v for v in variables}.values()
+  return '\n'.join(sorted(f'{_VariableName(v)} {v.shape.as_list()} {v.dtype.name}'
+                          for v in unique))
+
+
+def _Entries(signature):
+  return dict(line.split(' ', 1) for line in signature.splitlines() if line)
+
+
+def _SignatureDifference(theirs, ours):
+  """The first difference between two signatures as text, or None."""
+  there, here = _Entries(theirs), _Entries(ours)
+  differences = []
+  for name in sorted(set(there) | set(here)):
+    if name not in here:
+      differences.append(f'variable {name} ({there[name]}) is not in this model')
+    elif name not in there:
+      differences.append(f'variable {name} ({here[name]}) is not in the checkpoint')
+    elif there[name] != here[name]:
+      differences.append(f'variable {name} is {there[name]} there, {here[name]} here')
+  if not differences:
+    return None
+  more = f' (and {len(differences) - 1} more differences)' if len(differences) > 1 else ''
+  return differences[0] + more
+
+
+class Checkpointer:
+  """Saves and restores a model, its optimizer and the global step.
+
+  The input position is the global step: a resumed trainer asks the input
+  generator for its batches from batch <global step> on.
+
+  Args:
+    directory: where ckpt-<step> files go.
+    model: the tf.Module whose variables make up the model.
+    global_step: the int64 global step variable; it numbers the checkpoints.
+    optimizer: optional optimizer module (slots and counters).
+    max_to_keep: how many recent checkpoints to keep.
+  """
+
+  def __init__(self, directory, model, global_step, optimizer=None, max_to_keep=5):
+    self._directory = directory
+    self._model = model
+    self._global_step = global_step
+    self._optimizer = optimizer
+    self._signature = ModelSignature(model.variables)
+    objects = {'model': model, 'global_step': global_step,
+               _SIGNATURE: tf.Variable(self._signature, trainable=False, name=_SIGNATURE)}
+    if optimizer is not None:
+      objects['optimizer'] = optimizer
+    self._manager = tf.train.CheckpointManager(
+        tf.train.Checkpoint(**objects), directory, max_to_keep=max_to_keep,
+        checkpoint_name='ckpt', step_counter=global_step)
+    self._saved_step = None
+
+  @property
+  def directory(self):
+    return self._directory
+
+  @property
+  def latest(self):
+    """Path of the latest complete checkpoint, or None."""
+    return self._manager.latest_checkpoint
+
+  def CheckModel(self, path):
+    """Raises UserError if checkpoint `path` is not of this model."""
+    reader = tf.train.load_checkpoint(path)
+    if not reader.has_tensor(_SIGNATURE_KEY):
+      raise base_runner.UserError(f'Checkpoint {path} has no model signature; it was not '
+                                  'written by lingvo_gpipe.')
+    theirs = reader.get_tensor(_SIGNATURE_KEY).decode()
+    difference = _SignatureDifference(theirs, self._signature)
+    if difference:
+      raise base_runner.UserError(f'Checkpoint {path} is from a different model: {difference}. '
+                                  'Use another logdir, or the model and params it was written by.')
+
+  def Restore(self, path=None):
+    """Restores `path` (default: the latest checkpoint); returns its path or None if none.
+
+    Model and global step must match exactly; optimizer slots are restored where
+    the checkpoint has them (an optimizer changed between runs starts afresh).
+    """
+    path = path or self.latest
+    if not path:
+      return None
+    self.CheckModel(path)
+    try:
+      tf.train.Checkpoint(model=self._model, global_step=self._global_step).restore(
+          path).assert_existing_objects_matched().expect_partial()
+    except AssertionError as e:
+      raise base_runner.UserError(f'Checkpoint {path} does not hold this model\'s variables '
+                                  f'in the expected layout: {str(e).splitlines()[0]}') from None
+    if self._optimizer is not None:
+      tf.train.Checkpoint(optimizer=self._optimizer).restore(path).expect_partial()
+    self._saved_step = int(self._global_step.numpy())
+    logging.info('Restored %s (global step %d).', path, self._saved_step)
+    return path
+
+  def Save(self):
+    """Writes ckpt-<global step> unless this step is saved already; returns the latest path."""
+    step = int(self._global_step.numpy())
+    if step != self._saved_step:
+      self._manager.save(checkpoint_number=step)
+      self._saved_step = step
+      logging.info('Saved checkpoint %s.', self.latest)
+    return self.latest

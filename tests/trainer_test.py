@@ -1,0 +1,373 @@
+"""Tests of the trainer binary (end to end, in subprocesses) and the Learner it runs.
+
+The experiment is tests/testdata/params/toy/regression.py: a two-stage pipelined
+MLP whose steps take milliseconds, so each subprocess costs mostly TensorFlow's
+start-up.
+"""
+
+import glob
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe import base_model
+from lingvo_gpipe import base_runner
+from lingvo_gpipe import learner as learner_lib
+from lingvo_gpipe import optimizer
+from lingvo_gpipe import trainer
+from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import py_utils
+
+_PARAMS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'testdata', 'params')
+_MODEL = 'toy.regression.PipelinedRegression'
+_STEP_KEY = 'global_step/.ATTRIBUTES/VARIABLE_VALUE'
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _Start(*flags, model=_MODEL):
+  """Starts the trainer binary with `flags`; returns the Popen."""
+  env = dict(os.environ, LINGVO_GPIPE_PARAMS=_PARAMS_DIR, TF_CPP_MIN_LOG_LEVEL='2')
+  args = [sys.executable, '-m', 'lingvo_gpipe.trainer'] + ([f'--model={model}'] if model else [])
+  return subprocess.Popen(args + list(flags), env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def _Finish(proc, timeout=180):
+  """(returncode, stdout, stderr) of a started trainer."""
+  out, err = proc.communicate(timeout=timeout)
+  return proc.returncode, out, err
+
+
+def _Run(*flags, **kwargs):
+  return _Finish(_Start(*flags, **kwargs))
+
+
+def _Ok(result):
+  code, _, err = result
+  assert code == 0, err[-3000:]
+  return err
+
+
+def _ErrorLines(err):
+  return [line for line in err.splitlines() if line.startswith('trainer: error:')]
+
+
+def _Scalars(directory):
+  """tag -> {step: value} of the TensorBoard event files in `directory`."""
+  scalars = {}
+  for path in sorted(glob.glob(os.path.join(directory, 'events.out.tfevents.*'))):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
+  return scalars
+
+
+def _Checkpoint(path):
+  """All tensors of a checkpoint, read in full (so a broken file fails here)."""
+  reader = tf.train.load_checkpoint(path)
+  return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
+
+
+def _ModelValues(path):
+  return {k: v for k, v in _Checkpoint(path).items() if k.startswith('model/')}
+
+
+def _Listing(directory):
+  return {name: os.stat(os.path.join(directory, name)).st_mtime_ns
+          for name in os.listdir(directory)}
+
+
+# -- end to end ------------------------------------------------------------------------
+
+
+def testTrainResumeAndEvaluate(tmp_path):
+  logdir, straight = str(tmp_path / 'log'), str(tmp_path / 'straight')
+  train_dir = os.path.join(logdir, 'train')
+  uninterrupted = _Start(f'--logdir={straight}', '--max_steps=10')
+  err = _Ok(_Run(f'--logdir={logdir}'))  # The params' max_steps: 6.
+
+  assert tf.train.latest_checkpoint(train_dir).endswith('ckpt-6')
+  assert sorted(os.path.basename(p) for p in glob.glob(f'{train_dir}/ckpt-*.index')) == [
+      'ckpt-2.index', 'ckpt-4.index', 'ckpt-6.index']
+  assert _Checkpoint(os.path.join(train_dir, 'ckpt-4'))[_STEP_KEY] == 4
+  progress = [line for line in err.splitlines() if 'step 6/6' in line]
+  assert progress and 'examples/s' in progress[0] and 'time left' in progress[0]
+  assert f'tensorboard --logdir={logdir}' in err and 'ckpt-6' in err
+  scalars = _Scalars(train_dir)
+  for tag in ('loss', 'learning_rate', 'grad_norm', 'examples_per_second', 'step_time',
+              'abs_error'):
+    assert sorted(scalars[tag]) == [1, 2, 3, 4, 5, 6], tag
+  assert scalars['learning_rate'][3] == pytest.approx(0.05)
+  assert 'task.hidden_dim : 8' in open(os.path.join(train_dir, 'params.txt')).read()
+
+  # Resume to step 10 while an evaler follows the checkpoints.
+  evaler = _Start(f'--logdir={logdir}', '--job=evaler_dev', '--max_steps=10')
+  err = _Ok(_Run(f'--logdir={logdir}', '--max_steps=10'))
+  assert 'Restored' in err and 'ckpt-6 (global step 6)' in err
+  assert 'step 7/10' in err and 'step 1/' not in err
+  assert sorted(_Scalars(train_dir)['loss']) == list(range(1, 11))
+  assert _Checkpoint(tf.train.latest_checkpoint(train_dir))[_STEP_KEY] == 10
+  _Ok(_Finish(evaler))
+  assert 10 in _Scalars(os.path.join(logdir, 'eval_dev'))['loss']
+
+  # A resumed run ends where an uninterrupted one does: optimizer slots, step
+  # and input position were all restored.
+  _Ok(_Finish(uninterrupted))
+  resumed = _ModelValues(os.path.join(train_dir, 'ckpt-10'))
+  expected = _ModelValues(os.path.join(straight, 'train', 'ckpt-10'))
+  assert sorted(resumed) == sorted(expected) and len(resumed) == 4
+  for name, value in expected.items():
+    np.testing.assert_allclose(resumed[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+  err = _Ok(_Run(f'--logdir={logdir}', '--job=evaler_test', '--eval_once'))
+  test_scalars = _Scalars(os.path.join(logdir, 'eval_test'))
+  assert sorted(test_scalars) == ['abs_error', 'loss'] and list(test_scalars['loss']) == [10]
+  assert 'eval_test step 10 (3 batches)' in err
+
+
+def testNanStopsTrainingAndKeepsTheLastGoodCheckpoint(tmp_path):
+  logdir = str(tmp_path / 'log')
+  code, _, err = _Run(f'--logdir={logdir}', '--max_steps=10',
+                      '--model_params_override=task.nan_at_step : 5')
+  assert code == 1 and 'Traceback' not in err
+  train_dir = os.path.join(logdir, 'train')
+  lines = _ErrorLines(err)
+  assert len(lines) == 1 and re.fullmatch(
+      r'trainer: error: Step 5: loss nan, gradient norm [0-9.]+ is not finite; training stopped '
+      f'without applying the step. Last good checkpoint: {re.escape(train_dir)}/ckpt-4.',
+      lines[0]), lines
+  latest = tf.train.latest_checkpoint(train_dir)
+  assert latest.endswith('ckpt-4')
+  values = _Checkpoint(latest)
+  assert values[_STEP_KEY] == 4
+  assert all(np.all(np.isfinite(v)) for k, v in values.items() if k.startswith('model/'))
+
+
+def testKill9MidRunThenCleanResume(tmp_path):
+  logdir = str(tmp_path / 'log')
+  train_dir = os.path.join(logdir, 'train')
+  fast = 'train.save_interval_steps : 1; train.log_interval_steps : 1000'
+  proc = _Start(f'--logdir={logdir}', '--max_steps=1000000', f'--model_params_override={fast}')
+  deadline = time.time() + 120
+  while time.time() < deadline:  # Checkpoints every step: wait for a few.
+    latest = tf.train.latest_checkpoint(train_dir)
+    if latest and int(latest.rsplit('-', 1)[1]) >= 5:
+      break
+    time.sleep(0.05)
+  time.sleep(random.uniform(0.0, 0.2))  # Somewhere in a step or a save.
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.communicate()
+  assert proc.returncode == -signal.SIGKILL
+
+  latest = tf.train.latest_checkpoint(train_dir)
+  step = int(_Checkpoint(latest)[_STEP_KEY])
+  assert step >= 5 and latest.endswith(f'ckpt-{step}')
+  err = _Ok(_Run(f'--logdir={logdir}', f'--max_steps={step + 3}',
+                 f'--model_params_override={fast}'))
+  assert f'(global step {step})' in err
+  assert _Checkpoint(tf.train.latest_checkpoint(train_dir))[_STEP_KEY] == step + 3
+
+
+def testInspectParamsAppliesOverrides():
+  override = ('task.hidden_dim : 7\ntask.train.learning_rate : 0.5; '
+              'train.max_steps : 3; task.name : "a;b"')
+  code, out, err = _Run('--mode=inspect_params', f'--model_params_override={override}',
+                        '--max_steps=9')
+  assert code == 0, err
+  lines = out.splitlines()
+  for expected in ('task.hidden_dim : 7', 'task.train.learning_rate : 0.5',
+                   'train.max_steps : 9', "task.name : 'a;b'",
+                   'task.train.optimizer.cls : lingvo_gpipe.optimizer.Adam',
+                   'input.cls : _lingvo_gpipe_params_dir_'):
+    assert any(line.startswith(expected) for line in lines), expected
+
+
+def _MainInProcess(capsys, *argv):
+  """Runs trainer.main with flags `argv` in this process; returns (exit code, stderr)."""
+  trainer.FLAGS.unparse_flags()
+  trainer.FLAGS(['trainer'] + list(argv))
+  code = 0
+  try:
+    trainer.main(['trainer'])
+  except SystemExit as e:
+    code = e.code
+  finally:
+    trainer.FLAGS.unparse_flags()
+  return code, capsys.readouterr().err
+
+
+def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv('LINGVO_GPIPE_PARAMS', _PARAMS_DIR)
+  not_a_dir = tmp_path / 'file'
+  not_a_dir.write_text('')
+  logdir = f'--logdir={tmp_path}/log'
+  model = f'--model={_MODEL}'
+  cases = [
+      (['--model=toy.regression.PipelinedRegresion', logdir],
+       "No model is registered under key 'toy.regression.PipelinedRegresion'. Closest "
+       'registered keys: toy.regression.PipelinedRegression'),
+      ([model, logdir, '--model_params_override=task.hiden_dim : 3'],
+       "Unknown params key 'hiden_dim'. Did you mean: hidden_dim"),
+      ([model, logdir, '--model_params_override=task.hidden_dim : abc'],
+       "Params key 'task.hidden_dim': cannot parse 'abc' as int"),
+      ([model, f'--logdir={not_a_dir}/log'], f'Cannot write to {not_a_dir}/log/train'),
+      ([model, logdir, '--job=evaler_dev', '--eval_once'],
+       f'No checkpoint in {tmp_path}/log/train to evaluate.'),
+      ([model, '--job=worker', '--cluster_spec=worker=localhost:2222,localhost:2223',
+        '--task=1'], '--job=worker is not implemented yet'),
+      ([model, '--job=trainer_client'], '--job=trainer_client is not implemented yet'),
+      ([model, '--job=worker', '--cluster_spec=worker=localhost:2222', '--task=1'],
+       '--task=1 but --cluster_spec lists 1 worker task(s).'),
+      ([model, logdir, '--cluster_spec=worker=localhost'],
+       "address 'localhost' of job 'worker' is not host:port"),
+      ([model, logdir, '--cluster_spec=worker=localhost:2222'],
+       '--cluster_spec is for --job=trainer_client/worker (not implemented yet)'),
+      ([model, '--num_cpu_devices=0'], '--num_cpu_devices must be >= 1, got 0.'),
+      ([model], '--logdir is required.'),
+  ]
+  for argv, message in cases:
+    code, err = _MainInProcess(capsys, *argv)
+    lines = _ErrorLines(err)
+    assert code == 1 and len(lines) == 1 and message in lines[0], (argv, err)
+
+
+def testCheckpointOfAnotherModelIsRefusedAndNothingWritten(tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv('LINGVO_GPIPE_PARAMS', _PARAMS_DIR)
+  logdir = str(tmp_path / 'log')
+  flags = [f'--model={_MODEL}', f'--logdir={logdir}', '--max_steps=2']
+  code, err = _MainInProcess(capsys, *flags)
+  assert code == 0, err
+  train_dir = os.path.join(logdir, 'train')
+  before = _Listing(train_dir)
+  code, err = _MainInProcess(capsys, *flags, '--max_steps=4',
+                             '--model_params_override=task.hidden_dim : 16')
+  assert code == 1 and _ErrorLines(err) == [
+      f'trainer: error: Checkpoint {train_dir}/ckpt-2 is from a different model: variable '
+      'regression/pipe/hidden/b is [8] float32 there, [16] float32 here (and 2 more '
+      'differences). Use another logdir, or the model and params it was written by.']
+  assert _Listing(train_dir) == before
+
+
+# -- in process: flags, stages, the Learner -------------------------------------------
+
+
+def testParseClusterSpec():
+  assert trainer.ParseClusterSpec('') == {}
+  assert trainer.ParseClusterSpec('worker=h0:1,h1:2@evaler=h2:3') == {
+      'worker': ['h0:1', 'h1:2'], 'evaler': ['h2:3']}
+  for bad in ('worker', 'worker=h0', 'worker=h0:x', 'worker=h0:1@worker=h1:2', '=h:1',
+              'worker=h0:70000'):
+    with pytest.raises(base_runner.UserError, match='--cluster_spec'):
+      trainer.ParseClusterSpec(bad)
+
+
+def testNumStagesReadsPipelineParams():
+  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+  cell = layers.ProjectionLayer.Params().Set(input_dim=1, output_dim=1)
+  outer = hyperparams.Params()
+  outer.Define('pipes', [gpipe.PipeliningLayer.Params().Set(cell_tpl=[cell] * 3)], '')
+  outer.Define('other', layers.ProjectionLayer.Params(), '')
+  assert trainer.NumStages(outer) == 3
+  assert trainer.NumStages(layers.ProjectionLayer.Params()) == 0
+
+
+def testGradientsAndVariablesSumsTiedWeightsAndSkipsFrozen():
+  shared = tf.Variable([1.0, 2.0], name='shared')
+  own = tf.Variable([3.0], name='own')
+  frozen = tf.Variable([0.0], trainable=False, name='frozen')
+  theta = py_utils.NestedMap(a=shared, b=[own, shared], c=frozen)
+  grads = py_utils.NestedMap(a=tf.constant([1.0, 1.0]), b=[tf.constant([5.0]),
+                                                           tf.constant([0.5, 2.0])],
+                             c=tf.constant([9.0]))
+  pairs = learner_lib.GradientsAndVariables(theta, grads)
+  assert [v.name for _, v in pairs] == ['shared:0', 'own:0']
+  np.testing.assert_array_equal(pairs[0][0].numpy(), [1.5, 3.0])
+  np.testing.assert_array_equal(pairs[1][0].numpy(), [5.0])
+
+
+def _SgdLearner(variables, clip=0.0, learning_rate=1.0):
+  tp = base_model.TrainParams()
+  tp.optimizer = optimizer.SGD.Params()
+  tp.learning_rate = learning_rate
+  tp.clip_gradient_norm_to_value = clip
+  step = tf.Variable(0, dtype=tf.int64, name='global_step')
+  return learner_lib.Learner(tp, variables, step)
+
+
+def _Metrics(loss):
+  return py_utils.NestedMap(loss=(tf.constant(loss), tf.constant(1.0)))
+
+
+def testLearnerClipsByTheGlobalNormOfAllStages():
+  with tf.device('/device:CPU:0'):
+    a = tf.Variable([0.0], name='stage0/w')
+  with tf.device('/device:CPU:1'):
+    b = tf.Variable([0.0], name='stage1/w')
+  learner = _SgdLearner([a, b], clip=1.0)
+  out = learner.Apply(tf.constant(0, tf.int64), _Metrics(2.0),
+                      [(tf.constant([3.0]), a), (tf.constant([4.0]), b)])
+  assert float(out.grad_norm) == pytest.approx(5.0) and bool(out.finite)
+  np.testing.assert_allclose([a.numpy()[0], b.numpy()[0]], [-0.6, -0.8], rtol=1e-6)
+  assert int(learner.global_step.numpy()) == 1
+
+
+@pytest.mark.parametrize('loss, grad', [(float('nan'), 1.0), (1.0, float('inf'))])
+def testLearnerAppliesNothingWhenNotFinite(loss, grad):
+  var = tf.Variable([1.0], name='w')
+  learner = _SgdLearner([var])
+  out = learner.Apply(tf.constant(0, tf.int64), _Metrics(loss), [(tf.constant([grad]), var)])
+  assert not bool(out.finite)
+  assert var.numpy()[0] == 1.0 and int(learner.global_step.numpy()) == 0
+  assert int(learner.optimizer.iterations.numpy()) == 0
+
+
+def _LoopOver(values, learner, var):
+  """Learner loop whose loss is the element times var; gradient = element."""
+  dataset = tf.data.Dataset.from_tensor_slices(np.array(values, np.float32))
+
+  def ForwardBackward(x):
+    metrics = py_utils.NestedMap(loss=(x * var[0], tf.constant(1.0)))
+    return metrics, [(tf.reshape(x, [1]), var)]
+
+  return learner.BuildLoop(dataset.element_spec, ForwardBackward), iter(dataset)
+
+
+def testLoopRunsStepsInOneCallAndStopsAtTheFirstNonFiniteStep():
+  var = tf.Variable([0.0], name='w')
+  learner = _SgdLearner([var], learning_rate=0.1)
+  loop, it = _LoopOver([1.0, 2.0, float('nan'), 3.0, 4.0], learner, var)
+  out = loop(it, tf.constant(4, tf.int64))  # Stops at the NaN element: step 2.
+  assert not bool(out.finite) and int(learner.global_step.numpy()) == 2
+  np.testing.assert_allclose(var.numpy(), [-0.3], rtol=1e-6)
+  out = loop(it, tf.constant(1, tf.int64))
+  assert bool(out.finite) and int(learner.global_step.numpy()) == 3
+  with pytest.raises(tf.errors.OutOfRangeError):  # One element left: step 4 then the end.
+    loop(it, tf.constant(5, tf.int64))
+  assert int(learner.global_step.numpy()) == 4
+  np.testing.assert_allclose(var.numpy(), [-1.0], rtol=1e-6)
+
+
+def testLoopSetsTheFPropContextStep():
+  var = tf.Variable([0.0], name='w')
+  learner = _SgdLearner([var])
+  seen = tf.Variable(-1, dtype=tf.int64, name='seen')
+  dataset = tf.data.Dataset.from_tensors(np.float32(0.0)).repeat()
+
+  def ForwardBackward(x):
+    seen.assign(tf.cast(py_utils.CurrentContext().step, tf.int64))
+    return _Metrics(0.0), [(tf.reshape(x, [1]), var)]
+
+  loop = learner.BuildLoop(dataset.element_spec, ForwardBackward)
+  loop(iter(dataset), tf.constant(3, tf.int64))
+  assert int(seen.numpy()) == 2  # Steps 0, 1, 2 ran, each under its own step.
