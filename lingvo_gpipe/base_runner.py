@@ -13,11 +13,17 @@ global step, so training continues with the batches it has not seen.
 
 import dataclasses
 import datetime
+import re
 import time
 
 from absl import logging
 import numpy as np
 import tensorflow as tf
+
+from lingvo_gpipe import model_registry
+
+# Splits override text at ';' outside quotes.
+_OVERRIDE_SEPARATOR = re.compile(r""";(?=(?:[^'"]|'[^']*'|"[^"]*")*$)""")
 
 
 class UserError(Exception):
@@ -26,6 +32,26 @@ class UserError(Exception):
 
 class NonFiniteError(UserError):
   """The loss or the gradients became NaN or Inf."""
+
+
+def LoadModelParams(key, dataset, override='', max_steps=None):
+  """Model params of `key` for `dataset`, with overrides and max_steps applied.
+
+  The override is Lingvo-style params text, 'a.b : value' lines separated by ';'
+  (outside quotes) or newlines.
+  """
+  try:
+    params = model_registry.GetParams(key, dataset)
+  except (LookupError, ImportError, ValueError) as e:
+    raise UserError(str(e)) from None
+  text = '\n'.join(_OVERRIDE_SEPARATOR.split(override))
+  try:
+    params.FromText(text)
+  except (AttributeError, IndexError, TypeError, ValueError) as e:
+    raise UserError(f'model_params_override: {e}') from None
+  if max_steps is not None:
+    params.train.max_steps = max_steps
+  return params
 
 
 def InputDataset(input_params, start_batch=0):

@@ -21,7 +21,6 @@ Mistakes a user can make are one line on stderr and exit code 1.
 
 import dataclasses
 import os
-import re
 import sys
 
 from absl import app
@@ -32,7 +31,6 @@ import tensorflow as tf
 from lingvo_gpipe import base_runner
 from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import learner as learner_lib
-from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core import py_utils
@@ -70,10 +68,6 @@ flags.DEFINE_integer('checkpoint_max_to_keep', 5, 'Recent checkpoints kept.')
 flags.DEFINE_boolean('eval_once', False, 'Evalers: evaluate the latest checkpoint and exit.')
 flags.DEFINE_integer('eval_batches', None, 'Evalers: at most this many batches per evaluation; '
                      'default the whole (finite) Dev/Test dataset.')
-
-# Splits override text at ';' outside quotes.
-_OVERRIDE_SEPARATOR = re.compile(r""";(?=(?:[^'"]|'[^']*'|"[^"]*")*$)""")
-
 
 # -- flags -> configuration ------------------------------------------------------------
 
@@ -117,22 +111,6 @@ class ClusterConfig:
       if FLAGS[name].value is not None and FLAGS[name].value < 1:
         raise base_runner.UserError(f'--{name} must be >= 1, got {FLAGS[name].value}.')
     return cls(FLAGS.job, FLAGS.task, spec, FLAGS.worker_split_size)
-
-
-def LoadModelParams(key, dataset, override='', max_steps=None):
-  """Model params of `key` for `dataset`, with the override text and max_steps applied."""
-  try:
-    params = model_registry.GetParams(key, dataset)
-  except (LookupError, ImportError, ValueError) as e:
-    raise base_runner.UserError(str(e)) from None
-  text = '\n'.join(_OVERRIDE_SEPARATOR.split(override))
-  try:
-    params.FromText(text)
-  except (AttributeError, IndexError, TypeError, ValueError) as e:
-    raise base_runner.UserError(f'--model_params_override: {e}') from None
-  if max_steps is not None:
-    params.train.max_steps = max_steps
-  return params
 
 
 def NumStages(params):
@@ -203,7 +181,8 @@ def RunTrainer(model_params, logdir):
   """Trains to train.max_steps, resuming from the latest checkpoint of <logdir>/train."""
   train_dir = os.path.join(logdir, 'train')
   _MakeWritableDir(train_dir)
-  task, global_step, learner, checkpointer = _Instantiate(model_params, train_dir, with_learner=True)
+  task, global_step, learner, checkpointer = _Instantiate(model_params, train_dir,
+                                                          with_learner=True)
   checkpointer.Restore()
   step = int(global_step.numpy())
   t = model_params.train
@@ -291,8 +270,8 @@ def _Run():
     raise base_runner.UserError('--model is required (a registry key such as '
                                 'lm.synthetic.GPipeTransformerLmTiny).')
   dataset_name = {'evaler_dev': 'Dev', 'evaler_test': 'Test'}.get(FLAGS.job, 'Train')
-  model_params = LoadModelParams(FLAGS.model, dataset_name, FLAGS.model_params_override,
-                                 FLAGS.max_steps)
+  model_params = base_runner.LoadModelParams(FLAGS.model, dataset_name,
+                                             FLAGS.model_params_override, FLAGS.max_steps)
   if FLAGS.mode == 'inspect_params':
     sys.stdout.write(model_params.ToText())
     return

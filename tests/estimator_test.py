@@ -1,0 +1,170 @@
+"""Tests of lingvo_gpipe.estimator on the tiny pipelined regression experiment."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe import base_runner
+from lingvo_gpipe import estimator
+from lingvo_gpipe import model_registry
+from lingvo_gpipe.core import py_utils
+
+_PARAMS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'testdata', 'params')
+_MODEL = 'toy.regression.PipelinedRegression'
+
+model_registry.ImportParams(_PARAMS_DIR)
+
+
+def _Config(model_dir, **kwargs):
+  settings = dict(iterations_per_loop=3, save_checkpoints_steps=3, log_step_count_steps=3)
+  settings.update(kwargs)
+  return estimator.RunConfig(model_dir=str(model_dir), **settings)
+
+
+def _Scalars(directory):
+  scalars = {}
+  for name in sorted(os.listdir(directory)):
+    if name.startswith('events.out.tfevents'):
+      for event in tf.compat.v1.train.summary_iterator(os.path.join(directory, name)):
+        for value in event.summary.value:
+          scalars.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
+  return scalars
+
+
+def _ModelValues(model_dir):
+  reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(model_dir)))
+  return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()
+          if name.startswith('model/')}
+
+
+_SERVE = '''
+import sys
+sys.modules['lingvo_gpipe'] = None  # Any import of lingvo_gpipe now fails.
+import numpy as np
+import tensorflow as tf
+serving = tf.saved_model.load(sys.argv[1]).signatures['serving_default']
+x = np.load(sys.argv[2])['x']
+np.save(sys.argv[3], serving(x=tf.constant(x))['y'].numpy())
+'''
+
+
+def testRegistryModelTrainEvaluatePredictExportAndResume(tmp_path):
+  model_dir = tmp_path / 'model'
+  est = estimator.Estimator.from_registry(_MODEL, _Config(model_dir))
+  train_input = estimator.RegistryInputFn(_MODEL, 'Train')
+  est.train(train_input, steps=6)
+  assert est.global_step == 6
+  assert tf.train.latest_checkpoint(str(model_dir)).endswith('ckpt-6')
+  assert os.path.exists(model_dir / 'ckpt-3.index')
+  scalars = _Scalars(model_dir)
+  # Three steps per loop call: summaries at the ends of the calls.
+  assert sorted(scalars['loss']) == [3, 6]
+  for tag in ('learning_rate', 'grad_norm', 'examples_per_second', 'step_time', 'abs_error'):
+    assert sorted(scalars[tag]) == [3, 6], tag
+
+  # A new Estimator on the same model_dir resumes.
+  est = estimator.Estimator.from_registry(_MODEL, _Config(model_dir))
+  est.train(train_input, steps=3)
+  assert est.global_step == 9
+  assert sorted(_Scalars(model_dir)['loss']) == [3, 6, 9]
+
+  dev_input = estimator.RegistryInputFn(_MODEL, 'Dev')
+  results = est.evaluate(dev_input)
+  assert sorted(results) == ['abs_error', 'global_step', 'loss'] and results['global_step'] == 9
+  assert _Scalars(model_dir / 'eval')['loss'] == {9: pytest.approx(results['loss'])}
+
+  # Predictions, one dict per example, agree with the evaluated loss.
+  predictions = list(est.predict(dev_input))
+  dev_batches = list(dev_input({'batch_size': 8}))
+  assert len(predictions) == 16 and sorted(predictions[0]) == ['y']
+  targets = np.concatenate([b.y.numpy() for b in dev_batches])
+  predicted = np.stack([p['y'] for p in predictions])
+  assert results['loss'] == pytest.approx(np.mean((predicted - targets)**2), rel=1e-5)
+
+  # The SavedModel serves the same predictions in a process without lingvo_gpipe.
+  # Its signature takes the features of the serving input: x, without the targets.
+  serving_input = lambda params: dev_input(params).map(lambda b: py_utils.NestedMap(x=b.x))
+  export_dir = est.export_saved_model(str(tmp_path / 'export'), serving_input)
+  np.savez(tmp_path / 'x.npz', x=dev_batches[0].x.numpy())
+  subprocess.run([sys.executable, '-c', _SERVE, export_dir, str(tmp_path / 'x.npz'),
+                  str(tmp_path / 'y.npy')], check=True, timeout=120,
+                 env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
+  np.testing.assert_allclose(np.load(tmp_path / 'y.npy'), predicted[:8], rtol=1e-5, atol=1e-6)
+
+
+def _TaskParams():
+  return model_registry.GetParams(_MODEL, 'Train').task
+
+
+def _LossOnlyModelFn(features, labels, mode, params):
+  """A TPUEstimator-style model_fn: the Estimator differentiates the returned loss."""
+  assert params['batch_size'] == 8
+  task = _TaskParams().Instantiate()
+  if mode == estimator.ModeKeys.PREDICT:
+    return estimator.EstimatorSpec(mode, predictions={'y': task.Inference(task.theta,
+                                                                          features).y})
+  metrics = task.FPropTower(task.theta, py_utils.NestedMap(x=features, y=labels))
+  return estimator.EstimatorSpec(mode, loss=metrics.loss,
+                                 eval_metrics={'abs_error': metrics.abs_error},
+                                 train_params=task.params.train)
+
+
+def _PairsInputFn(params):
+  dataset = estimator.RegistryInputFn(_MODEL, 'Train')(params)
+  return dataset.map(lambda batch: (batch.x, batch.y))
+
+
+def testLossOnlyModelFnTrainsLikeThePipelinesOwnBackward(tmp_path):
+  # The tape through the pipelined FProp and the pipeline's ForwardBackward
+  # compute the same gradients, so both estimators end with the same weights.
+  own = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path / 'own', iterations_per_loop=2))
+  own.train(estimator.RegistryInputFn(_MODEL, 'Train'), max_steps=4)
+  tape = estimator.Estimator(_LossOnlyModelFn, _Config(tmp_path / 'tape', iterations_per_loop=2),
+                             train_batch_size=8, eval_batch_size=8)
+  tape.train(_PairsInputFn, max_steps=4)
+  expected, actual = _ModelValues(tmp_path / 'own'), _ModelValues(tmp_path / 'tape')
+  assert sorted(actual) == sorted(expected) and len(actual) == 4
+  for name, value in expected.items():
+    np.testing.assert_allclose(actual[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+  results = tape.evaluate(_PairsInputFn, steps=2)
+  assert sorted(results) == ['abs_error', 'global_step', 'loss'] and results['global_step'] == 4
+
+
+def testNonFiniteLossStopsTrainingMidLoop(tmp_path):
+  est = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path),
+                                          model_params_override='task.nan_at_step : 4')
+  with pytest.raises(base_runner.NonFiniteError, match=r'^Step 4: loss nan'):
+    est.train(estimator.RegistryInputFn(_MODEL, 'Train'), max_steps=9)
+  assert tf.train.latest_checkpoint(str(tmp_path)).endswith('ckpt-3')
+  assert est.global_step == 4  # Step 3 ran in the second loop; step 4 was not applied.
+
+
+def testCheckpointOfAnotherModelIsRefused(tmp_path):
+  estimator.Estimator.from_registry(_MODEL, _Config(tmp_path)).train(
+      estimator.RegistryInputFn(_MODEL, 'Train'), steps=1)
+  other = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path),
+                                            model_params_override='task.hidden_dim : 4')
+  with pytest.raises(base_runner.UserError, match='is from a different model: variable '
+                     r'regression/pipe/hidden/b is \[8\] float32 there, \[4\] float32 here'):
+    other.evaluate(estimator.RegistryInputFn(_MODEL, 'Dev'))
+
+
+def testModelFnMistakesAreClearErrors(tmp_path):
+  def NoLoss(features, labels, mode, params):
+    del features, labels, params
+    return estimator.EstimatorSpec(mode)
+
+  est = estimator.Estimator(NoLoss, _Config(tmp_path), train_batch_size=8)
+  with pytest.raises(base_runner.UserError, match="mode 'train' returned an EstimatorSpec "
+                     'without loss'):
+    est.train(_PairsInputFn, steps=1)
+  est = estimator.Estimator(lambda *args: {'loss': 1.0}, _Config(tmp_path), train_batch_size=8)
+  with pytest.raises(base_runner.UserError, match='returned dict, not an EstimatorSpec'):
+    est.train(_PairsInputFn, steps=1)
+  est = estimator.Estimator(_LossOnlyModelFn, _Config(tmp_path / 'fresh'), eval_batch_size=8)
+  with pytest.raises(base_runner.UserError, match='No checkpoint in .*fresh: train first'):
+    est.evaluate(_PairsInputFn, steps=1)
