@@ -58,7 +58,10 @@ def InputDataset(input_params, start_batch=0):
   """The tf.data.Dataset of an experiment's input params (see the module doc)."""
   if input_params is None:
     raise UserError('The model params have no input params (model.input is None).')
-  generator = input_params.Instantiate()
+  try:
+    generator = input_params.Instantiate()
+  except ValueError as e:  # A bad config, e.g. from an override.
+    raise UserError(f'Cannot build the input generator: {e}') from None
   if not hasattr(generator, 'GetDataset'):
     raise UserError(f'Input generator {type(generator).__name__} has no GetDataset(start_batch) '
                     'method returning a tf.data.Dataset.')

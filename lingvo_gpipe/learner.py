@@ -29,7 +29,7 @@ def GradientsAndVariables(theta, grads):
   return list(pairs.values())
 
 
-class Learner(tf.Module):
+class Learner:
   """Optimizer, learning-rate schedule and clipping of one task, and the global step.
 
   Args:
@@ -39,7 +39,6 @@ class Learner(tf.Module):
   """
 
   def __init__(self, train_params, variables, global_step):
-    super().__init__(name='learner')
     self._train_params = train_params.Copy().Freeze()
     self.global_step = global_step
     self.optimizer = train_params.optimizer.Instantiate()

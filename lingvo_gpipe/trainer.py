@@ -166,7 +166,10 @@ def _MakeWritableDir(path):
 
 def _Instantiate(model_params, train_dir, with_learner=False):
   """(task, global step, Learner or None, Checkpointer of train_dir)."""
-  task = model_params.task.Instantiate()
+  try:
+    task = model_params.task.Instantiate()
+  except ValueError as e:  # A bad config, e.g. from an override.
+    raise base_runner.UserError(f'Cannot build the task: {e}') from None
   global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
   learner = None
   if with_learner:
