@@ -23,7 +23,9 @@ from lingvo_gpipe import base_runner
 from lingvo_gpipe import learner as learner_lib
 from lingvo_gpipe import optimizer
 from lingvo_gpipe import trainer
+from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import py_utils
 
 _PARAMS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'testdata', 'params')
@@ -276,8 +278,6 @@ def testParseClusterSpec():
 
 
 def testNumStagesReadsPipelineParams():
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
   cell = layers.ProjectionLayer.Params().Set(input_dim=1, output_dim=1)
   outer = hyperparams.Params()
   outer.Define('pipes', [gpipe.PipeliningLayer.Params().Set(cell_tpl=[cell] * 3)], '')
