@@ -84,9 +84,14 @@ def _RelErr(a, b):
 
 
 def _AssertGradsClose(grads, ref_grads, tol=1e-5):
+  """Relative error <= tol; a gradient that is ~0 (rounding noise) is judged on the
+  scale of the largest gradient instead of on its own."""
   assert len(grads) == len(ref_grads)
-  for g, r in zip(grads, ref_grads):
-    assert _RelErr(g, r) <= tol
+  ref = [np.asarray(tf.convert_to_tensor(r), np.float64) for r in ref_grads]
+  scale = max((np.max(np.abs(r)) for r in ref), default=0.0)
+  for g, r in zip(grads, ref):
+    err = np.max(np.abs(np.asarray(tf.convert_to_tensor(g), np.float64) - r))
+    assert err <= tol * max(np.max(np.abs(r)), 0.1 * scale)
 
 
 GRID = list(itertools.product([1, 2, 4], [1, 2, 4, 8], gpipe.REMAT_MODES))
@@ -271,6 +276,20 @@ def _StepOps(graph):
   return scopes
 
 
+def _CalledNodes(library, node, caller_device=''):
+  """(NodeDef, device) run by `node`: itself, and the bodies of functions it calls.
+
+  A node without a device of its own runs where its function is called.
+  """
+  device = node.device or caller_device
+  nodes = [(node, device)]
+  for attr in node.attr.values():
+    if attr.HasField('func') and attr.func.name in library:
+      for inner in library[attr.func.name].node_def:
+        nodes += _CalledNodes(library, inner, device)
+  return nodes
+
+
 @pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
 def testEveryOpOfCellKRunsOnDeviceK(sched):
   pipe = _Pipe(4, 4, 'always', sched)
@@ -279,17 +298,22 @@ def testEveryOpOfCellKRunsOnDeviceK(sched):
   def Step(x):
     return pipe.ForwardBackward(pipe.theta, x, _Loss)
 
-  graph = Step.get_concrete_function(tf.TensorSpec([BATCH, DIM])).graph
-  scopes = _StepOps(graph)
-  assert len(scopes) == 2 * 4 * 4  # Every (stage, pass, micro-batch) step has ops.
-  for scope, ops in scopes.items():
-    stage = int(scope[len('stage'):scope.index('_')])
+  graph_def = Step.get_concrete_function(tf.TensorSpec([BATCH, DIM])).graph.as_graph_def()
+  library = {f.signature.name: f for f in graph_def.library.function}
+  steps = {}
+  for node in graph_def.node:
+    step = _StepOf(node.name)
+    if step:
+      steps.setdefault(step, []).extend(_CalledNodes(library, node))
+  assert len(steps) == 2 * 4 * 4  # Every (stage, pass, micro-batch) step has ops.
+  for step, nodes in steps.items():
+    stage = int(step[len('stage'):step.index('_')])
     want = tf.DeviceSpec.from_string(pipe.devices[stage])
-    assert any(op.type == 'MatMul' for op in ops)
-    for op in ops:
-      got = tf.DeviceSpec.from_string(op.device)
+    assert any(n.op == 'MatMul' for n, _ in nodes), step  # The cell's work is in the step.
+    for n, device in nodes:
+      got = tf.DeviceSpec.from_string(device)
       assert (got.device_type, got.device_index) == (want.device_type, want.device_index), (
-          op.name, op.device)
+          step, n.name, n.op, device)
   # The variables of cell k live on device k too.
   for k, cell in enumerate(pipe.cell):
     for v in cell.variables:

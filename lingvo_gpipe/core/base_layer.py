@@ -147,6 +147,16 @@ class BaseLayer(tf.Module):
     self._variables_dict[name] = var
     return var
 
+  def AddSharedVariable(self, name, var):
+    """Makes `var`, created by another layer, also this layer's variable `name`.
+
+    For tied weights: theta then holds the same tf.Variable in two places, and
+    a pipeline returns one gradient share per place, to be summed per variable.
+    """
+    self._CheckNewName(name)
+    self._variables_dict[name] = var
+    return var
+
   # -- theta ------------------------------------------------------------------
 
   @property

@@ -90,6 +90,79 @@ class FeatureExtractionLayer(layers.SequentialLayer):
     return out, acts
 
 
+def _Watch(tape, theta, args):
+  tape.watch([x for x in tf.nest.flatten(args) if _IsFloatTensor(x)])
+  tape.watch(tf.nest.flatten(theta))
+
+
+def _CellGradients(tape, theta, args, targets, target_grads):
+  """Gradients of `targets` (weighted by target_grads) w.r.t. args and theta."""
+  pairs = [(t, g) for t, g in zip(tf.nest.flatten(targets), tf.nest.flatten(target_grads))
+           if _IsFloatTensor(t)]
+  flat_args = tf.nest.flatten(args)
+  arg_index = [i for i, x in enumerate(flat_args) if _IsFloatTensor(x)]
+  grads = tape.gradient(
+      [t for t, _ in pairs], [flat_args[i] for i in arg_index] + tf.nest.flatten(theta),
+      output_gradients=[tf.zeros_like(t) if g is None else tf.cast(g, t.dtype)
+                        for t, g in pairs],
+      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+  return (tf.nest.pack_sequence_as(args, _Replaced([None] * len(flat_args), arg_index, grads)),
+          tf.nest.pack_sequence_as(theta, grads[len(arg_index):]))
+
+
+class _CellSteps:
+  """Cell k's forward and recompute-then-backward, each traced once as a function.
+
+  A schedule step is then one call op: unrolling K=4 cells over M=32 inline
+  made 80k ops and minutes of tracing. `_noinline` stops TensorFlow from
+  inlining the calls back before it optimizes the graph. The micro-batch index
+  and step are tensor arguments, so one trace serves every micro-batch.
+  """
+
+  def __init__(self, layer, k):
+    self._layer = layer
+    self._k = k
+    self._update_layers = []
+    # Grappler specializes a function for each call with constant inputs (here:
+    # the micro-batch index), which for K x M calls takes minutes. Adding a
+    # variable's value (always 0) makes the inputs non-constant.
+    self._no_fold = tf.Variable(0, dtype=tf.int64, trainable=False, name='no_fold')
+    options = dict(autograph=False, experimental_attributes={'_noinline': True})
+    self._forward = tf.function(self._Forward, **options)
+    self._backward = tf.function(self._Backward, **options)
+
+  def _Forward(self, theta, args, micro_batch, step, training):
+    updates = []
+    with tf.device(self._layer.devices[self._k]), py_utils.Context(
+        training=training, micro_batch=micro_batch, step=step, updates=updates):
+      out, acts = self._layer.CellFProp(self._k, theta, args)
+    self._update_layers = [layer for layer, _ in updates]
+    return out, acts, [stats for _, stats in updates]
+
+  def _Backward(self, theta, args, grads_in, micro_batch, step, training):
+    with tf.device(self._layer.devices[self._k]), py_utils.Context(
+        training=training, micro_batch=micro_batch, step=step, updates=[]):
+      with tf.GradientTape(watch_accessed_variables=False) as tape:
+        _Watch(tape, theta, args)
+        out, acts = self._layer.CellFProp(self._k, theta, args)
+      return _CellGradients(tape, theta, args, (out, acts), grads_in)
+
+  def _ContextArgs(self):
+    ctx = py_utils.CurrentContext()
+    zero = self._no_fold.read_value()
+    return (zero + tf.cast(ctx.micro_batch, tf.int64), zero + tf.cast(ctx.step, tf.int64),
+            ctx.training)
+
+  def Forward(self, theta, args):
+    """(outputs, activations, [(layer, stats)]) of the cell in the current context."""
+    out, acts, stats = self._forward(theta, args, *self._ContextArgs())
+    return out, acts, list(zip(self._update_layers, stats))
+
+  def Backward(self, theta, args, grads_in):
+    """(input grads, theta grads) of the cell, recomputing its forward."""
+    return self._backward(theta, args, grads_in, *self._ContextArgs())
+
+
 class _Run:
   """The state of one pipelined pass, executed one schedule step at a time.
 
@@ -117,38 +190,36 @@ class _Run:
     self.updates = []
     self.loss_grad_fn = None  # 1F1B: called with m to set the last stage's output grads.
 
-  def _Scope(self, stage, kind, m, updates):
+  def _Scope(self, stage, kind, m):
     """Device, name scope and FProp context of one step."""
     scope = contextlib.ExitStack()
     scope.enter_context(tf.device(self.layer.devices[stage]))
     scope.enter_context(tf.name_scope(f'stage{stage}_{kind}{m}'))
-    scope.enter_context(py_utils.Context(micro_batch=m, updates=updates))
+    scope.enter_context(py_utils.Context(micro_batch=m))
     return scope
 
   def _Remat(self, m):
     return self.remat == 'always' or (self.remat == 'except_last' and
                                       m < self.num_micro_batches - 1)
 
-  def _Watch(self, tape, stage, args):
-    tape.watch([x for x in tf.nest.flatten(args) if _IsFloatTensor(x)])
-    tape.watch(tf.nest.flatten(self.thetas[stage]))
-
   def Forward(self, m, k):
     """F(m, k): runs cell k on micro-batch m and hands its output on."""
     key = (m, k)
-    with self._Scope(k, schedule_lib.FORWARD, m, self.updates):
+    with self._Scope(k, schedule_lib.FORWARD, m):
       args = _After(self.tokens[k], self.inputs[key])
       if self._Remat(m):
-        out, acts = self.layer.CellFProp(k, self.thetas[k], args)
+        out, acts, updates = self.layer.cell_steps[k].Forward(self.thetas[k], args)
         if not self.keep_inputs:
           del self.inputs[key]
       else:
+        updates = []
         tape = tf.GradientTape(watch_accessed_variables=False)
-        with tape:
-          self._Watch(tape, k, args)
+        with tape, py_utils.Context(updates=updates):
+          _Watch(tape, self.thetas[k], args)
           out, acts = self.layer.CellFProp(k, self.thetas[k], args)
         self.tapes[key] = (tape, args, out, acts)
         del self.inputs[key]
+    self.updates += updates
     self.tokens[k] = [x for x in tf.nest.flatten(out) if isinstance(x, tf.Tensor)]
     self.acts[key] = acts
     if k + 1 < self.num_stages:
@@ -163,19 +234,17 @@ class _Run:
       self.loss_grad_fn(m)
     no_act_grads = tf.nest.map_structure(lambda _: None, self.acts[key])
     grads_in = (self.out_grads.pop(key), self.act_grads.pop(key, no_act_grads))
-    with self._Scope(k, schedule_lib.BACKWARD, m, updates=[]):
+    with self._Scope(k, schedule_lib.BACKWARD, m):
       if key in self.tapes:
         tape, args, out, acts = self.tapes.pop(key)
         grads_in = _After(self.tokens[k], grads_in)
+        d_args, d_theta = _CellGradients(tape, self.thetas[k], args, (out, acts), grads_in)
       else:
         # The recompute also waits for the output gradient, so a stage holds a
         # cell's activations only while it can run that cell's backward.
         waits = self.tokens[k] + [g for g in tf.nest.flatten(grads_in) if g is not None]
         args, grads_in = _After(waits, (self.inputs.pop(key), grads_in))
-        with tf.GradientTape(watch_accessed_variables=False) as tape:
-          self._Watch(tape, k, args)
-          out, acts = self.layer.CellFProp(k, self.thetas[k], args)
-      d_args, d_theta = self._Gradients(tape, k, args, (out, acts), grads_in)
+        d_args, d_theta = self.layer.cell_steps[k].Backward(self.thetas[k], args, grads_in)
       if self.theta_grads[k] is None:
         self.theta_grads[k] = d_theta
       else:
@@ -185,24 +254,6 @@ class _Run:
       self.out_grads[(m, k - 1)] = d_args
     else:
       self.input_grads[m] = d_args
-
-  def _Gradients(self, tape, k, args, targets, target_grads):
-    """Gradients of `targets` (weighted by target_grads) w.r.t. args and theta."""
-    pairs = [(t, g) for t, g in zip(tf.nest.flatten(targets), tf.nest.flatten(target_grads))
-             if _IsFloatTensor(t)]
-    flat_args = tf.nest.flatten(args)
-    arg_index = [i for i, x in enumerate(flat_args) if _IsFloatTensor(x)]
-    theta_leaves = tf.nest.flatten(self.thetas[k])
-    grads = tape.gradient(
-        [t for t, _ in pairs], [flat_args[i] for i in arg_index] + theta_leaves,
-        output_gradients=[tf.zeros_like(t) if g is None else tf.cast(g, t.dtype)
-                          for t, g in pairs],
-        unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    d_args = [None] * len(flat_args)
-    for i, g in zip(arg_index, grads):
-      d_args[i] = g
-    return (tf.nest.pack_sequence_as(args, d_args),
-            tf.nest.pack_sequence_as(self.thetas[k], grads[len(arg_index):]))
 
   def Execute(self, steps):
     for step in steps:
@@ -289,11 +340,17 @@ class PipeliningLayer(base_layer.BaseLayer):
     self._devices = devices_lib.StageDevices(len(p.cell_tpl), p.devices, p.allow_device_reuse)
     self.CreateChildren('before', p.before_tpl, devices=[self._devices[0]] * len(p.before_tpl))
     self.CreateChildren('cell', p.cell_tpl, devices=self._devices)
+    self._cell_steps = [_CellSteps(self, k) for k in range(self.num_stages)]
 
   @property
   def devices(self):
     """The device of each stage."""
     return list(self._devices)
+
+  @property
+  def cell_steps(self):
+    """Per cell, its forward and backward step functions."""
+    return self._cell_steps
 
   @property
   def num_stages(self):
@@ -647,12 +704,14 @@ def PartitionSequentialLayers(layer_params_list, num_partitions, input_shape, co
   Returns:
     K FeatureExtractionLayer params named cell0..cell{K-1}.
   """
-  layers = _Named(layer_params_list)
-  costs = list(cost) if isinstance(cost, (list, tuple)) else LayerCosts(layers, input_shape, cost)
-  if len(costs) != len(layers):
-    raise ValueError(f'Got {len(costs)} costs for {len(layers)} layers.')
-  ends = partition.Balance(costs, num_partitions)
-  cells = []
-  for k, (start, end) in enumerate(zip([0] + ends[:-1], ends)):
-    cells.append(FeatureExtractionLayer.Params().Set(name=f'cell{k}', sub=layers[start:end]))
-  return cells
+  named = _Named(layer_params_list)
+  costs = list(cost) if isinstance(cost, (list, tuple)) else LayerCosts(named, input_shape, cost)
+  if len(costs) != len(named):
+    raise ValueError(f'Got {len(costs)} costs for {len(named)} layers.')
+  return CellsFromEnds(named, partition.Balance(costs, num_partitions))
+
+
+def CellsFromEnds(layer_params_list, ends):
+  """FeatureExtractionLayer params cell0.. holding layers [ends[k-1], ends[k])."""
+  return [FeatureExtractionLayer.Params().Set(name=f'cell{k}', sub=layer_params_list[a:b])
+          for k, (a, b) in enumerate(zip([0] + list(ends[:-1]), ends))]

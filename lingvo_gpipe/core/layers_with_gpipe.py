@@ -45,7 +45,6 @@ from lingvo_gpipe.core import partition
 from lingvo_gpipe.core import py_utils
 
 # Creates children sharing the parent's variable dtype and initializer.
-_CreateChildren = layers._CreateChildren  # pylint: disable=protected-access
 
 
 def _WithFields(state, stream, **fields):
@@ -95,7 +94,7 @@ class GPipeEmbeddingLayer(base_layer.BaseLayer):
 
   def __init__(self, params):
     super().__init__(params)
-    _CreateChildren(self, self._ChildParams(self.params))
+    layers.CreateChildrenSharingInit(self, self._ChildParams(self.params))
 
   def FProp(self, theta, state):
     ids = state[self.params.stream].ids
@@ -184,8 +183,7 @@ class SharedEmbeddingProjection(base_layer.BaseLayer):
       raise ValueError(f'{self.path}: cannot share an embedding table of shape '
                        f'{table.shape.as_list()}; expected [num_classes, input_dim] = '
                        f'{[p.output_dim, p.input_dim]}.')
-    self._CheckNewName('emb')
-    self._variables_dict['emb'] = table
+    self.AddSharedVariable('emb', table)
 
   def FProp(self, theta, inputs):
     if 'emb' not in theta:
@@ -244,7 +242,7 @@ class GPipeSoftmaxLayer(base_layer.BaseLayer):
 
   def __init__(self, params):
     super().__init__(params)
-    _CreateChildren(self, self._ChildParams(self.params))
+    layers.CreateChildrenSharingInit(self, self._ChildParams(self.params))
 
   def ShareEmbedding(self, embedding_layer):
     """Ties the softmax weights to `embedding_layer`'s (a GPipeEmbeddingLayer) table."""
@@ -320,7 +318,7 @@ class GPipeConvBlock(base_layer.BaseLayer):
     p = self.params
     if not (isinstance(p.stride, int) and p.stride > 0):
       raise ValueError(f'{self.path}: stride must be a positive int, got {p.stride!r}.')
-    _CreateChildren(self, self._ChildParams(p))
+    layers.CreateChildrenSharingInit(self, self._ChildParams(p))
 
   def FProp(self, theta, state):
     p = self.params
@@ -413,9 +411,7 @@ class _GPipeStack(gpipe.PipeliningLayer):
   def CellParams(cls, p):
     """The pipeline cells: FeatureExtractionLayer params, one per stage."""
     layer_params = cls.LayerParams(p)
-    ends = cls.StageEnds(p, layer_params)
-    return [gpipe.FeatureExtractionLayer.Params().Set(name=f'cell{k}', sub=layer_params[a:b])
-            for k, (a, b) in enumerate(zip([0] + ends[:-1], ends))]
+    return gpipe.CellsFromEnds(layer_params, cls.StageEnds(p, layer_params))
 
   def __init__(self, params):
     if params.cell_tpl:

@@ -253,4 +253,4 @@ def StepSeed(layer_seed):
   ctx = CurrentContext()
   seed = tf.constant([int(layer_seed) & 0x7FFFFFFF, 0], dtype=tf.int64)
   seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.step, tf.int64))
-  return tf.random.experimental.stateless_fold_in(seed, int(ctx.micro_batch))
+  return tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.micro_batch, tf.int64))
