@@ -123,10 +123,6 @@ class _CellSteps:
     self._layer = layer
     self._k = k
     self._update_layers = []
-    # Grappler specializes a function for each call with constant inputs (here:
-    # the micro-batch index), which for K x M calls takes minutes. Adding a
-    # variable's value (always 0) makes the inputs non-constant.
-    self._no_fold = tf.Variable(0, dtype=tf.int64, trainable=False, name='no_fold')
     options = dict(autograph=False, experimental_attributes={'_noinline': True})
     self._forward = tf.function(self._Forward, **options)
     self._backward = tf.function(self._Backward, **options)
@@ -147,9 +143,13 @@ class _CellSteps:
         out, acts = self._layer.CellFProp(self._k, theta, args)
       return _CellGradients(tape, theta, args, (out, acts), grads_in)
 
-  def _ContextArgs(self):
+  @staticmethod
+  def _ContextArgs():
     ctx = py_utils.CurrentContext()
-    zero = self._no_fold.read_value()
+    # Grappler specializes a function for each call with constant inputs (here:
+    # the micro-batch index), which for K x M calls takes minutes; grappler does
+    # not fold a PlaceholderWithDefault, so adding one (0) keeps inputs variable.
+    zero = tf.raw_ops.PlaceholderWithDefault(input=tf.constant(0, tf.int64), shape=[])
     return (zero + tf.cast(ctx.micro_batch, tf.int64), zero + tf.cast(ctx.step, tf.int64),
             ctx.training)
 
