@@ -90,6 +90,13 @@ class FeatureExtractionLayer(layers.SequentialLayer):
     return out, acts
 
 
+def _Stamp(structure):
+  """The time (tf.timestamp, seconds) once every tensor of `structure` exists."""
+  with tf.control_dependencies([x for x in tf.nest.flatten(structure)
+                                if isinstance(x, tf.Tensor)]):
+    return tf.timestamp()
+
+
 def _Watch(tape, theta, args):
   tape.watch([x for x in tf.nest.flatten(args) if _IsFloatTensor(x)])
   tape.watch(tf.nest.flatten(theta))
@@ -135,13 +142,14 @@ class _CellSteps:
     self._update_layers = [layer for layer, _ in updates]
     return out, acts, [stats for _, stats in updates]
 
-  def _Backward(self, theta, args, grads_in, micro_batch, step, training):
+  def _Backward(self, theta, args, grads_in, micro_batch, step, training, measure):
     with tf.device(self._layer.devices[self._k]), py_utils.Context(
         training=training, micro_batch=micro_batch, step=step, updates=[]):
       with tf.GradientTape(watch_accessed_variables=False) as tape:
         _Watch(tape, theta, args)
         out, acts = self._layer.CellFProp(self._k, theta, args)
-      return _CellGradients(tape, theta, args, (out, acts), grads_in)
+      recomputed = _Stamp((out, acts)) if measure else None
+      return _CellGradients(tape, theta, args, (out, acts), grads_in) + (recomputed,)
 
   @staticmethod
   def _ContextArgs():
@@ -159,8 +167,9 @@ class _CellSteps:
     return out, acts, list(zip(self._update_layers, stats))
 
   def Backward(self, theta, args, grads_in):
-    """(input grads, theta grads) of the cell, recomputing its forward."""
-    return self._backward(theta, args, grads_in, *self._ContextArgs())
+    """(input grads, theta grads, time the recompute ended or None) of the cell."""
+    measure = py_utils.CurrentContext().step_stats is not None
+    return self._backward(theta, args, grads_in, *self._ContextArgs(), measure)
 
 
 class _Run:
@@ -198,6 +207,19 @@ class _Run:
     scope.enter_context(py_utils.Context(micro_batch=m))
     return scope
 
+  @staticmethod
+  def _StartStamp(inputs):
+    """When measuring: the time the step's inputs are ready, else None."""
+    return _Stamp(inputs) if py_utils.CurrentContext().step_stats is not None else None
+
+  @staticmethod
+  def _Record(stage, kind, m, start, outputs, recompute_end=None):
+    """When measuring: appends the step's timing record to the context's list."""
+    stats = py_utils.CurrentContext().step_stats
+    if stats is not None:
+      stats.append(py_utils.NestedMap(stage=stage, kind=kind, micro_batch=m, start=start,
+                                      end=_Stamp(outputs), recompute_end=recompute_end))
+
   def _Remat(self, m):
     return self.remat == 'always' or (self.remat == 'except_last' and
                                       m < self.num_micro_batches - 1)
@@ -207,6 +229,7 @@ class _Run:
     key = (m, k)
     with self._Scope(k, schedule_lib.FORWARD, m):
       args = _After(self.tokens[k], self.inputs[key])
+      start = self._StartStamp(args)
       if self._Remat(m):
         out, acts, updates = self.layer.cell_steps[k].Forward(self.thetas[k], args)
         if not self.keep_inputs:
@@ -219,6 +242,7 @@ class _Run:
           out, acts = self.layer.CellFProp(k, self.thetas[k], args)
         self.tapes[key] = (tape, args, out, acts)
         del self.inputs[key]
+      self._Record(k, schedule_lib.FORWARD, m, start, (out, acts))
     self.updates += updates
     self.tokens[k] = [x for x in tf.nest.flatten(out) if isinstance(x, tf.Tensor)]
     self.acts[key] = acts
@@ -238,17 +262,23 @@ class _Run:
       if key in self.tapes:
         tape, args, out, acts = self.tapes.pop(key)
         grads_in = _After(self.tokens[k], grads_in)
+        start = self._StartStamp(grads_in)
         d_args, d_theta = _CellGradients(tape, self.thetas[k], args, (out, acts), grads_in)
+        recomputed = None
       else:
         # The recompute also waits for the output gradient, so a stage holds a
         # cell's activations only while it can run that cell's backward.
         waits = self.tokens[k] + [g for g in tf.nest.flatten(grads_in) if g is not None]
         args, grads_in = _After(waits, (self.inputs.pop(key), grads_in))
-        d_args, d_theta = self.layer.cell_steps[k].Backward(self.thetas[k], args, grads_in)
+        start = self._StartStamp((args, grads_in))
+        d_args, d_theta, recomputed = self.layer.cell_steps[k].Backward(
+            self.thetas[k], args, grads_in)
       if self.theta_grads[k] is None:
         self.theta_grads[k] = d_theta
       else:
         self.theta_grads[k] = tf.nest.map_structure(tf.add, self.theta_grads[k], d_theta)
+      self._Record(k, schedule_lib.BACKWARD, m, start, (d_args, self.theta_grads[k]),
+                   recomputed)
     self.tokens[k] = tf.nest.flatten(self.theta_grads[k])
     if k > 0:
       self.out_grads[(m, k - 1)] = d_args

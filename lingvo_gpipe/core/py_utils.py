@@ -214,11 +214,14 @@ class FPropContext:
   micro_batch: the integer index of the micro-batch being computed.
   updates: a list that collects batch-norm statistics, or None to apply them
     at once; the pipeline sets it so recomputed forwards update nothing twice.
+  step_stats: a list that pipelines append one timing record per schedule step
+    to (opt-in measurement), or None not to measure.
   """
   training: bool = True
   step: object = 0
   micro_batch: int = 0
   updates: object = None
+  step_stats: object = None
 
 
 _CONTEXT = contextvars.ContextVar('lingvo_gpipe_fprop_context', default=FPropContext())
