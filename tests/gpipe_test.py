@@ -451,7 +451,7 @@ def testBfloat16CrossesStagesWhileGradientsStayFloat32():
     (lambda: _Pipe(2, 2, remat='sometimes'), "Unknown remat 'sometimes'"),
     (lambda: _Pipe(2, 2, sched='zb'), "Unknown schedule 'zb'"),
     (lambda: gpipe.PipeliningLayer.Params().Set(name='p').Instantiate(), 'cell_tpl is empty'),
-    (lambda: _Pipe(8, 2), '8 stages but only 4 devices'),
+    (lambda: _Pipe(8, 2), r'needs 8 devices \(8 stages\) but only 4'),
     (lambda: _Pipe(2, 2, sched='1f1b')(_Input()), 'use ForwardBackward'),
     (lambda: _Pipe(2, 2, micro_batch_size=4), 'not both'),
 ])
@@ -632,3 +632,63 @@ def testEveryLayerPipelinesLikeItsMicroBatchedPlainRun(case):
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
   assert _RelErr(loss, ref_loss) <= 1e-5
   _AssertGradsClose(grads, ref_grads, tol=1e-5)
+
+
+# -- data parallelism: R replicas of a K-stage pipeline --------------------------------
+
+
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testReplicasTrainLikeOneDeviceOnTheWholeBatch(sched):
+  pipe = _Pipe(2, 2, 'always', sched, num_replicas=2)
+  assert pipe.ReplicaDevices(1) == pipe.devices[2:4]
+  x = _Input()
+  ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
+
+  @tf.function
+  def Step(x):
+    stats = []
+    with py_utils.Context(step_stats=stats):
+      loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss)
+    return loss, grads, stats
+
+  loss, grads, stats = Step(x)
+  assert _RelErr(loss, ref_loss) <= 1e-5
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+  _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
+  assert sorted({int(r.replica) for r in stats}) == [0, 1]
+  if sched == 'gpipe':
+    with tf.GradientTape() as tape:
+      tape_loss = _Loss(pipe(x))
+    _AssertGradsClose(tape.gradient(tape_loss, pipe.trainable_variables), ref_grads)
+    with py_utils.EvalMode():
+      np.testing.assert_allclose(pipe(x).numpy(), _Reference(pipe, x).numpy(), rtol=1e-5,
+                                 atol=1e-6)
+
+
+def testReplicaStepsRunOnTheirOwnDevices():
+  pipe = _Pipe(2, 2, num_replicas=2)
+
+  @tf.function
+  def Step(x):
+    return pipe.ForwardBackward(pipe.theta, x, _Loss)
+
+  graph_def = Step.get_concrete_function(tf.TensorSpec([BATCH, DIM])).graph.as_graph_def()
+  library = {f.signature.name: f for f in graph_def.library.function}
+  seen = set()
+  for node in graph_def.node:
+    if node.name.startswith('replica'):
+      replica, stage = int(node.name[len('replica')]), int(_StepOf(node.name)[len('stage')])
+      want = tf.DeviceSpec.from_string(pipe.devices[replica * 2 + stage]).device_index
+      for n, device in _CalledNodes(library, node):
+        assert tf.DeviceSpec.from_string(device).device_index == want, (node.name, n.name)
+      seen.add((replica, stage))
+  assert seen == {(0, 0), (0, 1), (1, 0), (1, 1)}
+
+
+def testReplicaErrors():
+  with pytest.raises(ValueError, match='Batch size 16 is not divisible by num_replicas=3'):
+    _Pipe(1, 1, num_replicas=3).GetSchedule(BATCH)
+  with pytest.raises(ValueError, match=r'needs 6 devices \(3 replicas x 2 stages\) but only 4'):
+    _Pipe(2, 2, num_replicas=3)
+  with pytest.raises(ValueError, match='num_replicas must be a positive int, got 0'):
+    _Pipe(2, 2, num_replicas=0)

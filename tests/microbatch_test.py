@@ -62,7 +62,7 @@ def testStageDevices():
   assert len(found) >= 4 and all('CPU' in d for d in found)
   assert devices.StageDevices(2) == found[:2]
   assert devices.StageDevices(3, ['a', 'b'], allow_reuse=True) == ['a', 'b', 'a']
-  with pytest.raises(ValueError, match='3 stages but only 2 devices were given'):
+  with pytest.raises(ValueError, match=r'needs 3 devices \(3 stages\) but only 2 devices were given'):
     devices.StageDevices(3, ['a', 'b'])
   with pytest.raises(ValueError, match='allow_device_reuse'):
     devices.StageDevices(len(found) + 1)

@@ -33,8 +33,8 @@ def AvailableDevices():
   return [d.name for d in pool]
 
 
-def StageDevices(num_stages, devices=None, allow_reuse=False):
-  """One device name per stage.
+def StageDevices(num_stages, devices=None, allow_reuse=False, num_replicas=1):
+  """One device name per stage of each replica, replica-major.
 
   Args:
     num_stages: K.
@@ -42,15 +42,19 @@ def StageDevices(num_stages, devices=None, allow_reuse=False):
     allow_reuse: when there are fewer devices than stages, place stages
       round-robin instead of failing. Off by default: silently stacking stages
       on one device hides the memory a user planned for.
+    num_replicas: R data-parallel copies of the K stages.
   """
   explicit = devices is not None
   devices = list(devices) if explicit else AvailableDevices()
+  needed = num_stages * num_replicas
   if not devices:
     raise ValueError('No devices to place pipeline stages on.')
-  if len(devices) < num_stages and not allow_reuse:
+  if len(devices) < needed and not allow_reuse:
     source = 'given' if explicit else 'found (tf.config.list_logical_devices)'
+    layout = f'{num_replicas} replicas x {num_stages} stages' if num_replicas > 1 else (
+        f'{num_stages} stages')
     raise ValueError(
-        f'The pipeline has {num_stages} stages but only {len(devices)} devices were {source}: '
-        f'{devices}. Add devices (e.g. tf.config.set_logical_device_configuration for CPU) '
-        'or set allow_device_reuse=True to place stages round-robin.')
-  return [devices[k % len(devices)] for k in range(num_stages)]
+        f'The pipeline needs {needed} devices ({layout}) but only {len(devices)} devices were '
+        f'{source}: {devices}. Add devices (e.g. tf.config.set_logical_device_configuration '
+        'for CPU) or set allow_device_reuse=True to place stages round-robin.')
+  return [devices[k % len(devices)] for k in range(needed)]

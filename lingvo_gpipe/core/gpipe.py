@@ -126,9 +126,10 @@ class _CellSteps:
   and step are tensor arguments, so one trace serves every micro-batch.
   """
 
-  def __init__(self, layer, k):
+  def __init__(self, layer, k, device):
     self._layer = layer
     self._k = k
+    self._device = device
     self._update_layers = []
     options = dict(autograph=False, experimental_attributes={'_noinline': True})
     self._forward = tf.function(self._Forward, **options)
@@ -136,14 +137,14 @@ class _CellSteps:
 
   def _Forward(self, theta, args, micro_batch, step, training):
     updates = []
-    with tf.device(self._layer.devices[self._k]), py_utils.Context(
+    with tf.device(self._device), py_utils.Context(
         training=training, micro_batch=micro_batch, step=step, updates=updates):
       out, acts = self._layer.CellFProp(self._k, theta, args)
     self._update_layers = [layer for layer, _ in updates]
     return out, acts, [stats for _, stats in updates]
 
   def _Backward(self, theta, args, grads_in, micro_batch, step, training, measure):
-    with tf.device(self._layer.devices[self._k]), py_utils.Context(
+    with tf.device(self._device), py_utils.Context(
         training=training, micro_batch=micro_batch, step=step, updates=[]):
       with tf.GradientTape(watch_accessed_variables=False) as tape:
         _Watch(tape, theta, args)
@@ -180,8 +181,11 @@ class _Run:
   their backward, and each stage's running sum of weight gradients.
   """
 
-  def __init__(self, layer, thetas, micro_args, remat, keep_inputs=True):
+  def __init__(self, layer, replica, thetas, micro_args, remat, keep_inputs=True):
     self.layer = layer
+    self.replica = replica
+    self.devices = layer.ReplicaDevices(replica)
+    self.cell_steps = layer.cell_steps[replica]
     self.thetas = thetas
     self.remat = remat
     self.keep_inputs = keep_inputs
@@ -202,7 +206,9 @@ class _Run:
   def _Scope(self, stage, kind, m):
     """Device, name scope and FProp context of one step."""
     scope = contextlib.ExitStack()
-    scope.enter_context(tf.device(self.layer.devices[stage]))
+    scope.enter_context(tf.device(self.devices[stage]))
+    if self.layer.num_replicas > 1:
+      scope.enter_context(tf.name_scope(f'replica{self.replica}'))
     scope.enter_context(tf.name_scope(f'stage{stage}_{kind}{m}'))
     scope.enter_context(py_utils.Context(micro_batch=m))
     return scope
@@ -212,13 +218,13 @@ class _Run:
     """When measuring: the time the step's inputs are ready, else None."""
     return _Stamp(inputs) if py_utils.CurrentContext().step_stats is not None else None
 
-  @staticmethod
-  def _Record(stage, kind, m, start, outputs, recompute_end=None):
+  def _Record(self, stage, kind, m, start, outputs, recompute_end=None):
     """When measuring: appends the step's timing record to the context's list."""
     stats = py_utils.CurrentContext().step_stats
     if stats is not None:
-      stats.append(py_utils.NestedMap(stage=stage, kind=kind, micro_batch=m, start=start,
-                                      end=_Stamp(outputs), recompute_end=recompute_end))
+      stats.append(py_utils.NestedMap(
+          replica=self.replica, stage=stage, kind=kind, micro_batch=m, start=start,
+          end=_Stamp(outputs), recompute_end=recompute_end))
 
   def _Remat(self, m):
     return self.remat == 'always' or (self.remat == 'except_last' and
@@ -231,7 +237,7 @@ class _Run:
       args = _After(self.tokens[k], self.inputs[key])
       start = self._StartStamp(args)
       if self._Remat(m):
-        out, acts, updates = self.layer.cell_steps[k].Forward(self.thetas[k], args)
+        out, acts, updates = self.cell_steps[k].Forward(self.thetas[k], args)
         if not self.keep_inputs:
           del self.inputs[key]
       else:
@@ -271,7 +277,7 @@ class _Run:
         waits = self.tokens[k] + [g for g in tf.nest.flatten(grads_in) if g is not None]
         args, grads_in = _After(waits, (self.inputs.pop(key), grads_in))
         start = self._StartStamp((args, grads_in))
-        d_args, d_theta, recomputed = self.layer.cell_steps[k].Backward(
+        d_args, d_theta, recomputed = self.cell_steps[k].Backward(
             self.thetas[k], args, grads_in)
       if self.theta_grads[k] is None:
         self.theta_grads[k] = d_theta
@@ -285,12 +291,11 @@ class _Run:
     else:
       self.input_grads[m] = d_args
 
-  def Execute(self, steps):
-    for step in steps:
-      if step.kind == schedule_lib.FORWARD:
-        self.Forward(step.micro_batch, step.stage)
-      else:
-        self.Backward(step.micro_batch, step.stage)
+  def Step(self, step):
+    if step.kind == schedule_lib.FORWARD:
+      self.Forward(step.micro_batch, step.stage)
+    else:
+      self.Backward(step.micro_batch, step.stage)
 
   def MergedOutputs(self):
     """(outputs, fetched activations) of the whole batch."""
@@ -322,6 +327,69 @@ class _Run:
                             self.layer.params.batch_dim)
 
 
+class _Replicas:
+  """R data-parallel copies of one pipelined pass, each on 1/R of the batch.
+
+  Weights live on replica 0's devices; every replica reads them onto its own
+  devices, and the replicas' weight gradients are summed back on replica 0's
+  devices: the all-reduce that makes R replicas train like one device on the
+  whole batch. With R = 1 this is just the one _Run.
+  """
+
+  def __init__(self, layer, thetas, args, num_micro_batches, remat, keep_inputs=True):
+    self._layer = layer
+    batch_dim = layer.params.batch_dim
+    parts = microbatch.Split(args, layer.num_replicas, batch_dim) if (
+        layer.num_replicas > 1) else [args]
+    self.runs = [
+        _Run(layer, r, layer.ReplicaThetas(thetas, r),
+             microbatch.Split(part, num_micro_batches, batch_dim), remat, keep_inputs)
+        for r, part in enumerate(parts)]
+
+  def Execute(self, steps):
+    """Runs the schedule's steps, each on every replica."""
+    for step in steps:
+      for run in self.runs:
+        run.Step(step)
+
+  def _Merge(self, values):
+    return values[0] if len(values) == 1 else microbatch.Merge(values, self._layer.params.batch_dim)
+
+  def MergedOutputs(self):
+    """(outputs, fetched activations) of the whole batch."""
+    return self._Merge([run.MergedOutputs() for run in self.runs])
+
+  def SetOutputGradients(self, d_outputs, d_acts):
+    parts = microbatch.Split((d_outputs, d_acts), len(self.runs), self._layer.params.batch_dim) if (
+        len(self.runs) > 1) else [(d_outputs, d_acts)]
+    for run, (d_out, d_act) in zip(self.runs, parts):
+      run.SetOutputGradients(d_out, d_act)
+
+  def MergedInputGradients(self):
+    return self._Merge([run.MergedInputGradients() for run in self.runs])
+
+  @property
+  def theta_grads(self):
+    """Per stage, the weight gradients summed over replicas on replica 0's device."""
+    if len(self.runs) == 1:
+      return self.runs[0].theta_grads
+    sums = []
+    for k, device in enumerate(self._layer.ReplicaDevices(0)):
+      with tf.device(device):
+        sums.append(tf.nest.map_structure(lambda *g: tf.add_n(list(g)),
+                                          *[run.theta_grads[k] for run in self.runs]))
+    return sums
+
+  @property
+  def updates(self):
+    return [u for run in self.runs for u in run.updates]
+
+  def SetLossGradFn(self, fn):
+    """1F1B: fn(run, m) sets the last stage's output gradients of run's micro-batch m."""
+    for run in self.runs:
+      run.loss_grad_fn = lambda m, run=run: fn(run, m)
+
+
 class PipeliningLayer(base_layer.BaseLayer):
   """Runs cells on devices as a pipeline of micro-batches (GPipe).
 
@@ -351,6 +419,9 @@ class PipeliningLayer(base_layer.BaseLayer):
              "Re-materialization: 'always', 'except_last' (the last micro-batch keeps its "
              "activations) or 'never'.")
     p.Define('schedule', 'gpipe', "'gpipe' (fill-drain) or '1f1b' (ForwardBackward only).")
+    p.Define('num_replicas', 1,
+             'R data-parallel copies of the pipeline, each on 1/R of the batch; `devices` then '
+             'lists R x K devices, replica r stage k at devices[r * K + k].')
     return p
 
   def __init__(self, params):
@@ -367,10 +438,14 @@ class PipeliningLayer(base_layer.BaseLayer):
     if p.micro_batch_size is not None and p.num_micro_batches != 1:
       raise ValueError(f'Set num_micro_batches ({p.num_micro_batches}) or micro_batch_size '
                        f'({p.micro_batch_size}), not both.')
-    self._devices = devices_lib.StageDevices(len(p.cell_tpl), p.devices, p.allow_device_reuse)
+    if not isinstance(p.num_replicas, int) or p.num_replicas < 1:
+      raise ValueError(f'num_replicas must be a positive int, got {p.num_replicas!r}.')
+    self._devices = devices_lib.StageDevices(len(p.cell_tpl), p.devices, p.allow_device_reuse,
+                                             p.num_replicas)
     self.CreateChildren('before', p.before_tpl, devices=[self._devices[0]] * len(p.before_tpl))
-    self.CreateChildren('cell', p.cell_tpl, devices=self._devices)
-    self._cell_steps = [_CellSteps(self, k) for k in range(self.num_stages)]
+    self.CreateChildren('cell', p.cell_tpl, devices=self.ReplicaDevices(0))
+    self._cell_steps = [[_CellSteps(self, k, device) for k, device in
+                         enumerate(self.ReplicaDevices(r))] for r in range(p.num_replicas)]
 
   @property
   def devices(self):
@@ -379,16 +454,39 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   @property
   def cell_steps(self):
-    """Per cell, its forward and backward step functions."""
+    """Per replica and cell, the cell's forward and backward step functions."""
     return self._cell_steps
+
+  @property
+  def num_replicas(self):
+    return self.params.num_replicas
+
+  def ReplicaDevices(self, replica):
+    """The stage devices of one replica (replica 0's hold the weights)."""
+    return self._devices[replica * self.num_stages:(replica + 1) * self.num_stages]
+
+  def ReplicaThetas(self, thetas, replica):
+    """Replica 0's per-stage thetas, copied onto another replica's devices."""
+    if replica == 0:
+      return thetas
+    copies = []
+    for theta, device in zip(thetas, self.ReplicaDevices(replica)):
+      with tf.device(device):
+        copies.append(tf.nest.map_structure(tf.identity, theta))
+    return copies
 
   @property
   def num_stages(self):
     return len(self.params.cell_tpl)
 
   def NumMicroBatches(self, batch_size):
+    """M of each replica for a whole batch of `batch_size`."""
     p = self.params
-    return microbatch.NumMicroBatches(batch_size, p.num_micro_batches, p.micro_batch_size)
+    if batch_size % p.num_replicas:
+      raise ValueError(f'Batch size {batch_size} is not divisible by num_replicas='
+                       f'{p.num_replicas}.')
+    return microbatch.NumMicroBatches(batch_size // p.num_replicas, p.num_micro_batches,
+                                      p.micro_batch_size)
 
   def GetSchedule(self, batch_size):
     """The schedule a batch of `batch_size` runs; print it to see it."""
@@ -424,8 +522,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     if py_utils.CurrentContext().training:
       outputs, acts = self._DifferentiablePipeline(thetas, args, num)
     else:
-      run = _Run(self, thetas, microbatch.Split(args, num, self.params.batch_dim),
-                 remat='always', keep_inputs=False)
+      run = _Replicas(self, thetas, args, num, remat='always', keep_inputs=False)
       run.Execute(schedule_lib.Schedule('gpipe', self.num_stages, num).ForwardSteps())
       outputs, acts = run.MergedOutputs()
     return self._Result(outputs, acts)
@@ -451,18 +548,19 @@ class PipeliningLayer(base_layer.BaseLayer):
     args, before_tape = self._BeforeWithTape(theta, _AsArgs(inputs))
     num = self.NumMicroBatches(microbatch.BatchSize(args, self.params.batch_dim))
     sched = schedule_lib.Schedule(self.params.schedule, self.num_stages, num)
-    run = _Run(self, self._StageThetas(theta),
-               microbatch.Split(args, num, self.params.batch_dim), self.params.remat)
+    run = _Replicas(self, self._StageThetas(theta), args, num, self.params.remat)
     metrics = []  # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
     if self.params.schedule == 'gpipe':
       run.Execute(sched.ForwardSteps())
       outputs, acts = run.MergedOutputs()
-      batch_metrics, d_outputs, d_acts = self._LossGradients(loss_fn, outputs, acts)
+      batch_metrics, d_outputs, d_acts = self._LossGradients(
+          loss_fn, outputs, acts, self.ReplicaDevices(0)[-1])
       metrics.append(batch_metrics)
       run.SetOutputGradients(d_outputs, d_acts)
       run.Execute(sched.BackwardSteps())
     else:
-      run.loss_grad_fn = lambda m: metrics.append(self._MicroBatchLossGradients(run, loss_fn, m))
+      run.SetLossGradFn(
+          lambda one_run, m: metrics.append(self._MicroBatchLossGradients(one_run, loss_fn, m)))
       run.Execute(sched.steps)
     base_layer.ApplyRecordedUpdates(run.updates)
     merged = MergeMetrics([m for m, _ in metrics])
@@ -484,7 +582,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   def _StageThetas(self, theta):
     """Each cell's theta as tensors read on that cell's device."""
     thetas = []
-    for k, device in enumerate(self._devices):
+    for k, device in enumerate(self.ReplicaDevices(0)):
       with tf.device(device):
         thetas.append(tf.nest.map_structure(tf.convert_to_tensor, theta.cell[k]))
     return thetas
@@ -516,10 +614,10 @@ class PipeliningLayer(base_layer.BaseLayer):
                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return tf.nest.pack_sequence_as(theta.before, grads)
 
-  def _LossGradients(self, loss_fn, outputs, acts):
+  def _LossGradients(self, loss_fn, outputs, acts, device):
     """loss_fn's metrics and the gradients of value * weight of their loss."""
     floats = [x for x in tf.nest.flatten((outputs, acts)) if _IsFloatTensor(x)]
-    with tf.device(self._devices[-1]), tf.GradientTape() as tape:
+    with tf.device(device), tf.GradientTape() as tape:
       tape.watch(floats)
       result = self._Result(outputs, acts)
       value = loss_fn(*result) if acts else loss_fn(result)
@@ -537,7 +635,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     acts = py_utils.NestedMap()
     for k in range(self.num_stages):
       acts.update(run.acts[(m, k)])
-    metrics, d_outputs, d_acts = self._LossGradients(loss_fn, run.outputs[m], acts)
+    metrics, d_outputs, d_acts = self._LossGradients(loss_fn, run.outputs[m], acts,
+                                                     run.devices[-1])
     run.out_grads[(m, self.num_stages - 1)] = d_outputs
     for k in range(self.num_stages):
       run.act_grads[(m, k)] = py_utils.NestedMap({n: d_acts[n] for n in run.acts[(m, k)]})
@@ -558,9 +657,8 @@ class PipeliningLayer(base_layer.BaseLayer):
       # stop_gradient: the caller's tape must not record (and keep) cell internals.
       stopped = [tf.stop_gradient(x) for x in tensors]
       run_args = _Replaced(flat_args, arg_pos, stopped[len(flat_theta):])
-      run = _Run(self, tf.nest.pack_sequence_as(thetas, stopped[:len(flat_theta)]),
-                 microbatch.Split(tf.nest.pack_sequence_as(args, run_args), num,
-                                  self.params.batch_dim), self.params.remat)
+      run = _Replicas(self, tf.nest.pack_sequence_as(thetas, stopped[:len(flat_theta)]),
+                      tf.nest.pack_sequence_as(args, run_args), num, self.params.remat)
       run.Execute(sched.ForwardSteps())
       structure = run.MergedOutputs()
       flat_out = tf.nest.flatten(structure)
