@@ -56,12 +56,24 @@ class BaseTask(base_layer.BaseLayer):
     return self.ComputeLoss(theta, self.ComputePredictions(theta, input_batch), input_batch)
 
   def ForwardBackward(self, theta, input_batch):
-    """(metrics, grads): grads of metrics.loss, a NestedMap shaped like theta."""
+    """(metrics, grads): grads of metrics.loss, a NestedMap shaped like theta.
+
+    A leaf occurring several times in theta (tied weights) holds its gradient
+    at its first occurrence and zeros at the others, so that summing per
+    variable (learner.GradientsAndVariables) counts it once, as it must for a
+    pipeline's per-occurrence gradient shares.
+    """
     with tf.GradientTape() as tape:
       metrics = self.FPropTower(theta, input_batch)
-    grads = tape.gradient(metrics.loss[0], theta,
+    leaves = tf.nest.flatten(theta)
+    grads = tape.gradient(metrics.loss[0], leaves,
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return metrics, grads
+    seen = set()
+    for i, leaf in enumerate(leaves):
+      if leaf.ref() in seen:
+        grads[i] = tf.zeros_like(grads[i])
+      seen.add(leaf.ref())
+    return metrics, tf.nest.pack_sequence_as(theta, grads)
 
   def Inference(self, theta, input_batch):
     """Predictions for serving: evaluation mode, no loss."""

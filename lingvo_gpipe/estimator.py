@@ -40,7 +40,7 @@ from lingvo_gpipe import base_model_params
 from lingvo_gpipe import base_runner
 from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import learner as learner_lib
-from lingvo_gpipe.core import gpipe
+from lingvo_gpipe.core import metrics as metrics_lib
 from lingvo_gpipe.core import py_utils
 
 
@@ -157,7 +157,7 @@ def _Features(element):
 
 def _Metrics(spec):
   """NestedMap name -> (value, weight) of a spec's eval metrics and loss."""
-  return gpipe._AsMetrics(dict(spec.eval_metrics or {}, loss=spec.loss))  # pylint: disable=protected-access
+  return metrics_lib.AsMetrics(dict(spec.eval_metrics or {}, loss=spec.loss))
 
 
 def _FlatPredictions(predictions):

@@ -14,7 +14,7 @@ Metrics are (value, weight) pairs:
 
 With tied embeddings one tf.Variable appears twice in theta, and the gradients
 ForwardBackward returns hold one part for each occurrence: sum them per
-variable with GradientsByVariable before applying them.
+variable (learner.GradientsAndVariables) before applying them.
 """
 
 import tensorflow as tf
@@ -25,28 +25,6 @@ from lingvo_gpipe.core import py_utils
 
 # Floor of a total weight that divides a metric, so an all-padded batch gives 0, not NaN.
 _TINY_WEIGHT = 1e-9
-
-
-def GradientsByVariable(vars_nested, grads_nested):
-  """[(summed gradient, variable)] of the trainable variables, one entry per variable.
-
-  Args:
-    vars_nested: a structure of tf.Variables (e.g. task.vars), in which a
-      variable may appear several times (tied weights).
-    grads_nested: gradients of the same structure (e.g. from ForwardBackward),
-      each the part of the gradient due to that occurrence.
-
-  Returns:
-    A list of (gradient, variable) in order of first occurrence, the gradients
-    of a variable's occurrences summed; non-trainable variables are left out.
-  """
-  tf.nest.assert_same_structure(vars_nested, grads_nested)
-  summed = {}
-  for var, grad in zip(tf.nest.flatten(vars_nested), tf.nest.flatten(grads_nested)):
-    if var.trainable:
-      key, grad = var.ref(), tf.convert_to_tensor(grad)
-      summed[key] = grad if key not in summed else summed[key] + grad
-  return [(grad, key.deref()) for key, grad in summed.items()]
 
 
 def _WeightedMean(values, weights):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from lingvo_gpipe import learner
 from lingvo_gpipe import tasks
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers
@@ -137,7 +138,7 @@ def testPipelinedEqualsUnpipelined(kind, splits, num_micro_batches):
   ref_loss, ref_grads = _ReferenceLossAndGrads(ref, state, chunks)
   loss, grads = stack.ForwardBackward(stack.theta, state, _LossFn)
   _Close(loss, ref_loss)
-  summed = tasks.GradientsByVariable(stack.vars, grads)
+  summed = learner.GradientsAndVariables(stack.vars, grads)
   assert sorted(_Key(v) for _, v in summed) == sorted(ref_grads)
   for grad, var in summed:
     _Close(grad, ref_grads[_Key(var)])

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe import model_registry
+from lingvo_gpipe import learner
 from lingvo_gpipe import tasks
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import layers_with_gpipe
@@ -26,16 +27,16 @@ def _Key(var):
   return '/'.join(parts[cells[0] + 1:] if cells else parts[1:])
 
 
-# -- GradientsByVariable and metrics ------------------------------------------------
+# -- gradients of tied variables and metrics ------------------------------------------------
 
 
-def testGradientsByVariableSumsEachVariableOnce():
+def testGradientsAndVariablesSumsEachVariableOnce():
   a, b = tf.Variable([1.0, 2.0]), tf.Variable(3.0)
   frozen = tf.Variable(0.0, trainable=False)
   variables = NestedMap(x=[a, b], y=NestedMap(a=a, frozen=frozen))
   grads = NestedMap(x=[tf.constant([1.0, 1.0]), tf.constant(5.0)],
                     y=NestedMap(a=tf.constant([0.5, 2.0]), frozen=tf.constant(9.0)))
-  pairs = tasks.GradientsByVariable(variables, grads)
+  pairs = learner.GradientsAndVariables(variables, grads)
   assert [v for _, v in pairs] == [a, b]  # Order of first occurrence; no frozen one.
   _Close(pairs[0][0], [1.5, 3.0])
   _Close(pairs[1][0], 5.0)
@@ -132,7 +133,7 @@ def testTiedGradientSumEqualsTheSingleWeightGradient():
   table = task.stack.cell[0].sub[0].vars.emb.emb
   assert task.stack.cell[1].sub[-1].vars.softmax.proj.emb is table
   metrics, grads = task.ForwardBackward(task.theta, batch)
-  pairs = tasks.GradientsByVariable(task.vars, grads)
+  pairs = learner.GradientsAndVariables(task.vars, grads)
   parts = [g for v, g in zip(tf.nest.flatten(task.vars), tf.nest.flatten(grads)) if v is table]
   assert len(parts) == 2 and all(np.abs(tf.convert_to_tensor(g)).max() > 0 for g in parts)
 
@@ -213,14 +214,14 @@ def _TrainRegisteredModel(key, steps):
   task = p.task.Instantiate()
   train = iter(p.input.Instantiate().GetDataset())
   dev = list(model_registry.GetParams(key, 'Dev').input.Instantiate().GetDataset())
-  adam = _Adam([v for _, v in tasks.GradientsByVariable(task.vars, task.vars)],
+  adam = _Adam([v for _, v in learner.GradientsAndVariables(task.vars, task.vars)],
                p.task.train.learning_rate)
 
   @tf.function
   def Step(batch, step):
     with py_utils.Context(step=step):
       metrics, grads = task.ForwardBackward(task.theta, batch)
-    adam.Apply(tasks.GradientsByVariable(task.vars, grads))
+    adam.Apply(learner.GradientsAndVariables(task.vars, grads))
     return metrics.loss[0]
 
   @tf.function

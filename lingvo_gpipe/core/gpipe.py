@@ -33,6 +33,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import devices as devices_lib
 from lingvo_gpipe.core import layers
+from lingvo_gpipe.core import metrics as metrics_lib
 from lingvo_gpipe.core import microbatch
 from lingvo_gpipe.core import partition
 from lingvo_gpipe.core import py_utils
@@ -563,7 +564,7 @@ class PipeliningLayer(base_layer.BaseLayer):
           lambda one_run, m: metrics.append(self._MicroBatchLossGradients(one_run, loss_fn, m)))
       run.Execute(sched.steps)
     base_layer.ApplyRecordedUpdates(run.updates)
-    merged = MergeMetrics([m for m, _ in metrics])
+    merged = metrics_lib.MergeMetrics([m for m, _ in metrics])
     # The backward differentiated value * weight of each call: divide by the total weight.
     scale = 1.0 / merged.loss[1]
     grads = py_utils.NestedMap(
@@ -621,7 +622,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       tape.watch(floats)
       result = self._Result(outputs, acts)
       value = loss_fn(*result) if acts else loss_fn(result)
-      metrics = _AsMetrics(value)
+      metrics = metrics_lib.AsMetrics(value)
       loss, weight = metrics.loss
       weighted = loss * tf.stop_gradient(weight)
     grads = iter(tape.gradient(weighted, floats,
@@ -687,39 +688,6 @@ def _Replaced(values, positions, replacements):
   for i, x in zip(positions, replacements):
     values[i] = x
   return values
-
-
-def _MetricPair(name, value):
-  """A metric as (value, weight); a bare scalar has weight 1."""
-  if isinstance(value, (tuple, list)):
-    if len(value) != 2:
-      raise ValueError(f'Metric {name!r} must be a scalar or (value, weight), got {value!r}.')
-    mean = tf.convert_to_tensor(value[0])
-    pair = (mean, tf.cast(value[1], mean.dtype))
-  else:
-    pair = (tf.convert_to_tensor(value), None)
-  if pair[0].shape.rank != 0:
-    raise ValueError(f'Metric {name!r} must be a scalar, got shape {pair[0].shape}.')
-  return pair if pair[1] is not None else (pair[0], tf.ones([], pair[0].dtype))
-
-
-def _AsMetrics(value):
-  """loss_fn's value as a NestedMap name -> (value, weight) holding 'loss'."""
-  if isinstance(value, dict):
-    if 'loss' not in value:
-      raise ValueError(f"loss_fn returned metrics {sorted(value)} without a 'loss'.")
-    return py_utils.NestedMap({k: _MetricPair(k, v) for k, v in value.items()})
-  return py_utils.NestedMap(loss=_MetricPair('loss', value))
-
-
-def MergeMetrics(metrics_list):
-  """Merges (value, weight) metrics of several batches: sum(v * w) / sum(w)."""
-  merged = py_utils.NestedMap()
-  for name in metrics_list[0]:
-    weight = tf.add_n([m[name][1] for m in metrics_list])
-    total = tf.add_n([m[name][0] * m[name][1] for m in metrics_list])
-    merged[name] = (total / weight, weight)
-  return merged
 
 
 # -- partitioning ------------------------------------------------------------------
