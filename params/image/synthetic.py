@@ -1,6 +1,5 @@
 """Residual conv nets on synthetic images (input_generators.SyntheticImageInput)."""
 
-from lingvo_gpipe import base_model_params
 from lingvo_gpipe import input_generators
 from lingvo_gpipe import model_registry
 from lingvo_gpipe import tasks
@@ -9,7 +8,7 @@ from lingvo_gpipe.params.lm import synthetic
 
 
 @model_registry.RegisterSingleTaskModel
-class GPipeConvNet(base_model_params.SingleTaskModelParams):
+class GPipeConvNet(synthetic.SyntheticDataModelParams):
   """A small ResNet (stem + 4 residual blocks, batch norm) on 2 stages with M=4.
 
   Classifies noisy 16x16 copies of 10 random class templates: the paper's image
@@ -21,12 +20,6 @@ class GPipeConvNet(base_model_params.SingleTaskModelParams):
     return input_generators.SyntheticImageInput.Params().Set(
         name='images', image_shape=(16, 16, 3), num_classes=10, noise=1.0, batch_size=32,
         seed=1)
-
-  def Dev(self):
-    return synthetic.EvalInputs(self.Train(), seed=2, num_batches=4)
-
-  def Test(self):
-    return synthetic.EvalInputs(self.Train(), seed=3, num_batches=4)
 
   def Task(self):
     data = self.Train()

@@ -23,13 +23,19 @@ def TransformerStackParams(vocab_size, max_seq_len, model_dim, num_heads, hidden
   return p
 
 
-def EvalInputs(train_input, seed, num_batches):
-  """Dev/Test input params: the train params with another seed and a finite pass."""
-  return train_input.Set(seed=seed, num_batches=num_batches)
+class SyntheticDataModelParams(base_model_params.SingleTaskModelParams):
+  """Base of experiments on seeded synthetic data: Dev and Test are finite
+  passes over the training distribution with other seeds."""
+
+  def Dev(self):
+    return self.Train().Set(seed=2, num_batches=4)
+
+  def Test(self):
+    return self.Train().Set(seed=3, num_batches=4)
 
 
 @model_registry.RegisterSingleTaskModel
-class GPipeTransformerLmTiny(base_model_params.SingleTaskModelParams):
+class GPipeTransformerLmTiny(SyntheticDataModelParams):
   """A 2-layer, 2-stage LM learning to reverse digit strings: the quick CPU demo.
 
   Trains in a couple of CPU minutes: token accuracy on the reversed half rises
@@ -40,12 +46,6 @@ class GPipeTransformerLmTiny(base_model_params.SingleTaskModelParams):
     return input_generators.SyntheticLmInput.Params().Set(
         name='reverse_lm', task='reverse', vocab_size=14, min_len=2, max_len=6, seq_len=14,
         batch_size=32, seed=1)
-
-  def Dev(self):
-    return EvalInputs(self.Train(), seed=2, num_batches=4)
-
-  def Test(self):
-    return EvalInputs(self.Train(), seed=3, num_batches=4)
 
   def Task(self):
     data = self.Train()
@@ -64,7 +64,7 @@ class GPipeTransformerLmTiny(base_model_params.SingleTaskModelParams):
 
 
 @model_registry.RegisterSingleTaskModel
-class GPipeTransformerLmBig(base_model_params.SingleTaskModelParams):
+class GPipeTransformerLmBig(SyntheticDataModelParams):
   """An 8-layer LM sorting symbol strings on 4 stages with M=16: for pipeline benchmarks.
 
   Sized so each of 4 stages has real work on CPU (d=256, 64 tokens, batch 64)
@@ -75,12 +75,6 @@ class GPipeTransformerLmBig(base_model_params.SingleTaskModelParams):
     return input_generators.SyntheticLmInput.Params().Set(
         name='sort_lm', task='sort', vocab_size=68, min_len=16, max_len=31, seq_len=64,
         batch_size=64, seed=1)
-
-  def Dev(self):
-    return EvalInputs(self.Train(), seed=2, num_batches=4)
-
-  def Test(self):
-    return EvalInputs(self.Train(), seed=3, num_batches=4)
 
   def Task(self):
     data = self.Train()

@@ -1,6 +1,5 @@
 """Transformer encoder-decoders on synthetic translation (input_generators.SyntheticSeq2SeqInput)."""
 
-from lingvo_gpipe import base_model_params
 from lingvo_gpipe import input_generators
 from lingvo_gpipe import model_registry
 from lingvo_gpipe import tasks
@@ -8,7 +7,7 @@ from lingvo_gpipe.params.lm import synthetic
 
 
 @model_registry.RegisterSingleTaskModel
-class GPipeTransformerReverse(base_model_params.SingleTaskModelParams):
+class GPipeTransformerReverse(synthetic.SyntheticDataModelParams):
   """Translates a string of up to 8 symbols into its reverse; 2+2 layers on 2 stages.
 
   The encoder output crosses from stage 0 to the decoder layers of stage 1;
@@ -19,12 +18,6 @@ class GPipeTransformerReverse(base_model_params.SingleTaskModelParams):
     return input_generators.SyntheticSeq2SeqInput.Params().Set(
         name='reverse', task='reverse', vocab_size=14, min_len=2, max_len=8, seq_len=9,
         batch_size=32, seed=1)
-
-  def Dev(self):
-    return synthetic.EvalInputs(self.Train(), seed=2, num_batches=4)
-
-  def Test(self):
-    return synthetic.EvalInputs(self.Train(), seed=3, num_batches=4)
 
   def Task(self):
     data = self.Train()
