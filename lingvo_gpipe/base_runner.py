@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe import model_registry
+from lingvo_gpipe.core import hyperparams
 
 # Splits override text at ';' outside quotes.
 _OVERRIDE_SEPARATOR = re.compile(r""";(?=(?:[^'"]|'[^']*'|"[^"]*")*$)""")
@@ -51,6 +52,9 @@ def LoadModelParams(key, dataset, override='', max_steps=None):
     raise UserError(f'model_params_override: {e}') from None
   if max_steps is not None:
     params.train.max_steps = max_steps
+  if isinstance(params.task, hyperparams.Params) and params.task.IsDefined('input'):
+    # The model's input is the one that runs: the task checks itself against it.
+    params.task.input = params.input.Copy()
   return params
 
 

@@ -375,3 +375,12 @@ def testLoopSetsTheFPropContextStep():
   loop = learner.BuildLoop(dataset.element_spec, ForwardBackward)
   loop(iter(dataset), tf.constant(3, tf.int64))
   assert int(seen.numpy()) == 2  # Steps 0, 1, 2 ran, each under its own step.
+
+
+def testModelInputOverrideReachesTheTaskCheck():
+  """An override of the model's input is what the task checks itself against."""
+  params = base_runner.LoadModelParams('lm.synthetic.GPipeTransformerLmTiny', 'Train',
+                                       'input.seq_len : 40')
+  assert params.task.input.seq_len == 40
+  with pytest.raises(ValueError, match='40'):
+    params.task.Instantiate()
