@@ -16,7 +16,10 @@ executes it:
 
 Which step runs when is data (schedule.py); the executor follows it, and in
 graphs each step waits (control dependencies) for the previous step of the same
-stage, so TensorFlow cannot run ahead and hold M micro-batches' gradients.
+stage, so TensorFlow cannot run ahead and hold M micro-batches' gradients. Each
+step is one call of a per-cell function (`_CellSteps`), which keeps graphs small.
+With `num_replicas` R, R copies of this run each take 1/R of the batch
+(`_Replicas`) and their weight gradients are summed.
 
 The backward pass is written out here rather than left to the tape because the
 tape sums a weight's M gradients only once all exist (the peak grows with M);
