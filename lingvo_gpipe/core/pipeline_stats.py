@@ -1,0 +1,269 @@
+"""Pipeline statistics of a real run: busy and idle time per stage, the measured bubble, traces.
+
+Under `py_utils.Context(step_stats=records)` a PipeliningLayer appends one
+record per schedule step it runs: replica, stage, kind ('F' or 'B'),
+micro_batch, and tf.timestamp() seconds start (inputs ready), end (outputs
+exist) and, for a re-materialized backward, recompute_end. This module turns
+the records into numbers and pictures:
+
+  records = []
+  with py_utils.Context(step_stats=records):
+    loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn)
+  timeline = pipeline_stats.Timeline.FromRecords(records)
+  summary = pipeline_stats.Summarize(timeline, 'gpipe')
+  print(summary.MarkdownTable())
+  pipeline_stats.WriteChromeTrace('/tmp/step.json', timeline)  # ui.perfetto.dev
+
+In a tf.function, return the records (or, for a function traced once and
+called many times, StackTimes(records), with the traced records as metadata).
+
+What is measured, so it compares with schedule.py and the simulator like with
+like: a device is one (replica, stage); its busy time is the union of its
+steps' [start, end] intervals, split into forward, recompute (start to
+recompute_end) and backward; the step window runs from the first start to the
+last end; idle = window - busy, and the bubble fraction is the idle share of
+devices x window, as schedule.Schedule.BubbleFraction and
+simulator.Prediction.bubble_fraction define it. Besides the unit-cost theory
+((K-1)/(M+K-1) for fill-drain) the summary simulates the schedule with this
+run's own median forward and backward time per stage: the bubble the schedule
+implies for these stage costs, so the gap to the measured bubble is what the
+runtime adds (hand-overs, dispatch, devices sharing cores).
+"""
+
+import dataclasses
+import json
+
+import numpy as np
+import tensorflow as tf
+
+from lingvo_gpipe.core import schedule as schedule_lib
+from lingvo_gpipe.core import simulator
+
+_PASS_NAMES = {'F': 'forward', 'R': 'recompute', 'B': 'backward'}
+
+
+def _Python(value):
+  """A record field (tensor, numpy or Python value; bytes from tf.function) as Python."""
+  if hasattr(value, 'numpy'):
+    value = value.numpy()
+  value = np.asarray(value).item()
+  return value.decode() if isinstance(value, bytes) else value
+
+
+def StackTimes(records):
+  """[N, 3] float64 tensor of (start, end, recompute_end or NaN) of the records, in order."""
+  nan = tf.constant(np.nan, tf.float64)
+  return tf.stack([tf.stack([r.start, r.end, nan if r.recompute_end is None else r.recompute_end])
+                   for r in records])
+
+
+@dataclasses.dataclass
+class Timeline:
+  """Steps of one pipelined run as parallel numpy arrays (times in seconds).
+
+  replica, stage, micro_batch: int arrays; backward: bool; start, end,
+  recompute_end: float64 (recompute_end NaN where the step recomputed nothing).
+  """
+  replica: np.ndarray
+  stage: np.ndarray
+  backward: np.ndarray
+  micro_batch: np.ndarray
+  start: np.ndarray
+  end: np.ndarray
+  recompute_end: np.ndarray
+
+  @classmethod
+  def FromRecords(cls, records, times=None):
+    """From step records; `times` ([N, 3], see StackTimes) replaces their timestamps."""
+    if not records:
+      raise ValueError('No step records: run the pipeline under '
+                       'py_utils.Context(step_stats=records) first.')
+    if times is None:
+      times = [[r.get('start'), r.get('end'), r.get('recompute_end')] for r in records]
+      times = [[np.nan if t is None else _Python(t) for t in row] for row in times]
+    times = np.asarray(times, np.float64).reshape(-1, 3)
+    if len(times) != len(records):
+      raise ValueError(f'Got {len(times)} rows of times for {len(records)} records.')
+    if np.isnan(times[:, :2]).any():
+      raise ValueError('A step record has no start or end time.')
+    kinds = [_Python(r['kind']) for r in records]
+    unknown = sorted(set(kinds) - {schedule_lib.FORWARD, schedule_lib.BACKWARD})
+    if unknown:
+      raise ValueError(f'Unknown step kinds {unknown}; expected F or B.')
+    return cls(replica=np.array([_Python(r.get('replica', 0)) for r in records], np.int64),
+               stage=np.array([_Python(r['stage']) for r in records], np.int64),
+               backward=np.array([k == schedule_lib.BACKWARD for k in kinds]),
+               micro_batch=np.array([_Python(r['micro_batch']) for r in records], np.int64),
+               start=times[:, 0], end=times[:, 1], recompute_end=times[:, 2])
+
+  @classmethod
+  def FromPrediction(cls, prediction):
+    """The steps of a simulator.Prediction, to trace a planned pipeline like a measured one."""
+    kind, stage, micro_batch = np.nonzero(~np.isnan(prediction.end))
+    return cls(replica=np.zeros_like(stage), stage=stage, backward=kind == simulator.BACKWARD,
+               micro_batch=micro_batch, start=prediction.start[kind, stage, micro_batch],
+               end=prediction.end[kind, stage, micro_batch],
+               recompute_end=np.full(stage.shape, np.nan))
+
+  @property
+  def num_stages(self):
+    return int(self.stage.max()) + 1
+
+  @property
+  def num_micro_batches(self):
+    return int(self.micro_batch.max()) + 1
+
+  @property
+  def num_replicas(self):
+    return int(self.replica.max()) + 1
+
+  def Devices(self):
+    """The (replica, stage) pairs that ran steps, sorted."""
+    return sorted(set(zip(self.replica.tolist(), self.stage.tolist())))
+
+  def StageCosts(self):
+    """(forward, backward) [K] median step durations per stage, over replicas and micro-batches."""
+    duration = self.end - self.start
+    costs = np.zeros((2, self.num_stages))
+    for k in range(self.num_stages):
+      for b in (0, 1):
+        steps = duration[(self.stage == k) & (self.backward == bool(b))]
+        costs[b, k] = np.median(steps) if steps.size else 0.0
+    return costs[0], costs[1]
+
+
+def _UnionLength(start, end):
+  """Total length covered by intervals [start_i, end_i]."""
+  order = np.argsort(start, kind='stable')
+  start, end = start[order], end[order]
+  covered_until = np.maximum.accumulate(np.concatenate([[-np.inf], end[:-1]]))
+  return float(np.sum(np.maximum(end - np.maximum(start, covered_until), 0.0)))
+
+
+@dataclasses.dataclass
+class DeviceStats:
+  """Seconds one device (replica, stage) spent per pass, busy in all, and idle in the window."""
+  replica: int
+  stage: int
+  forward: float
+  recompute: float
+  backward: float
+  busy: float
+  idle: float
+
+
+@dataclasses.dataclass
+class Summary:
+  """A step's pipeline statistics (see the module docstring for the definitions)."""
+  schedule: str
+  num_stages: int
+  num_micro_batches: int
+  num_replicas: int
+  step_time: float
+  bubble_fraction: float
+  theoretical_bubble: float
+  simulated_bubble: float
+  devices: list
+
+  def AsDict(self):
+    return dataclasses.asdict(self)
+
+  def Scalars(self, prefix='pipeline'):
+    """Flat name -> value, for TensorBoard: the bubble fractions and per-device seconds."""
+    scalars = {f'{prefix}/bubble_fraction': self.bubble_fraction,
+               f'{prefix}/bubble_fraction_theory': self.theoretical_bubble,
+               f'{prefix}/bubble_fraction_simulated': self.simulated_bubble,
+               f'{prefix}/step_time': self.step_time}
+    for d in self.devices:
+      name = f'stage{d.stage}' if self.num_replicas == 1 else f'replica{d.replica}_stage{d.stage}'
+      for field in ('forward', 'recompute', 'backward', 'busy', 'idle'):
+        scalars[f'{prefix}/{name}/{field}'] = getattr(d, field)
+    return scalars
+
+  def MarkdownTable(self):
+    """Per-device milliseconds and the bubble, measured, simulated and in theory."""
+    lines = [f'{self.schedule}: K={self.num_stages}, M={self.num_micro_batches}, step '
+             f'{self.step_time * 1e3:.1f} ms; bubble measured {self.bubble_fraction:.3f}, '
+             f'simulated with these stage costs {self.simulated_bubble:.3f}, unit-cost theory '
+             f'{self.theoretical_bubble:.3f}', '',
+             '| replica | stage | forward ms | recompute ms | backward ms | busy ms | idle ms |',
+             '|---|---|---|---|---|---|---|']
+    for d in self.devices:
+      lines.append(f'| {d.replica} | {d.stage} | {d.forward * 1e3:.1f} | {d.recompute * 1e3:.1f} '
+                   f'| {d.backward * 1e3:.1f} | {d.busy * 1e3:.1f} | {d.idle * 1e3:.1f} |')
+    return '\n'.join(lines)
+
+
+def Summarize(timeline, schedule='gpipe'):
+  """The step's Summary; `schedule` names the schedule that ran (for theory and simulation)."""
+  window = float(timeline.end.max() - timeline.start.min())
+  devices = []
+  for replica, stage in timeline.Devices():
+    mine = (timeline.replica == replica) & (timeline.stage == stage)
+    fwd, bwd = mine & ~timeline.backward, mine & timeline.backward
+    recomputed = bwd & ~np.isnan(timeline.recompute_end)
+    recompute = float(np.sum(timeline.recompute_end[recomputed] - timeline.start[recomputed]))
+    busy = _UnionLength(timeline.start[mine], timeline.end[mine])
+    devices.append(DeviceStats(
+        replica=replica, stage=stage,
+        forward=float(np.sum(timeline.end[fwd] - timeline.start[fwd])), recompute=recompute,
+        backward=float(np.sum(timeline.end[bwd] - timeline.start[bwd])) - recompute,
+        busy=busy, idle=window - busy))
+  idle = sum(d.idle for d in devices)
+  orders = simulator.Orders(schedule, timeline.num_stages, timeline.num_micro_batches)
+  forward, backward = timeline.StageCosts()
+  return Summary(
+      schedule=schedule, num_stages=timeline.num_stages,
+      num_micro_batches=timeline.num_micro_batches, num_replicas=timeline.num_replicas,
+      step_time=window, bubble_fraction=idle / (len(devices) * window) if window > 0 else 0.0,
+      theoretical_bubble=simulator.Simulate(orders).bubble_fraction,
+      simulated_bubble=simulator.Simulate(orders, forward, backward).bubble_fraction,
+      devices=devices)
+
+
+def ChromeTrace(timeline, device_names=None):
+  """The timeline as Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev).
+
+  One process per replica, one thread (track) per device, one complete event
+  per cell x micro-batch x pass: F (forward), R (recompute) and B (backward);
+  times in microseconds from the first start.
+
+  Args:
+    timeline: a Timeline.
+    device_names: optional {(replica, stage): name} for the track names.
+  """
+  t0 = timeline.start.min()
+  events = []
+  for replica in sorted(set(timeline.replica.tolist())):
+    events.append(dict(ph='M', name='process_name', pid=replica, tid=0,
+                       args=dict(name=f'replica {replica}')))
+  for replica, stage in timeline.Devices():
+    name = (device_names or {}).get((replica, stage), f'stage {stage}')
+    events.append(dict(ph='M', name='thread_name', pid=replica, tid=stage,
+                       args=dict(name=name)))
+    events.append(dict(ph='M', name='thread_sort_index', pid=replica, tid=stage,
+                       args=dict(sort_index=stage)))
+
+  def Span(i, kind, start, end):
+    m, k = int(timeline.micro_batch[i]), int(timeline.stage[i])
+    events.append(dict(ph='X', name=f'{kind}{m}', cat=_PASS_NAMES[kind],
+                       pid=int(timeline.replica[i]), tid=k, ts=(start - t0) * 1e6,
+                       dur=(end - start) * 1e6,
+                       args={'cell': k, 'micro_batch': m, 'pass': _PASS_NAMES[kind]}))
+
+  for i in np.argsort(timeline.start, kind='stable'):
+    start, end, recomputed = timeline.start[i], timeline.end[i], timeline.recompute_end[i]
+    if not timeline.backward[i]:
+      Span(i, 'F', start, end)
+    elif np.isnan(recomputed):
+      Span(i, 'B', start, end)
+    else:
+      Span(i, 'R', start, recomputed)
+      Span(i, 'B', recomputed, end)
+  return dict(traceEvents=events, displayTimeUnit='ms')
+
+
+def WriteChromeTrace(path, timeline, device_names=None):
+  """Writes ChromeTrace(timeline) as JSON to `path`."""
+  with open(path, 'w') as f:
+    json.dump(ChromeTrace(timeline, device_names), f)
