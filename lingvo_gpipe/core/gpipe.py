@@ -101,6 +101,11 @@ def _Stamp(structure):
     return tf.timestamp()
 
 
+def _Accumulate(total, grads):
+  """The running sum of a stage's weight gradients (None before the first)."""
+  return grads if total is None else tf.nest.map_structure(tf.add, total, grads)
+
+
 def _Watch(tape, theta, args):
   tape.watch([x for x in tf.nest.flatten(args) if _IsFloatTensor(x)])
   tape.watch(tf.nest.flatten(theta))
@@ -147,14 +152,16 @@ class _CellSteps:
     self._update_layers = [layer for layer, _ in updates]
     return out, acts, [stats for _, stats in updates]
 
-  def _Backward(self, theta, args, grads_in, micro_batch, step, training, measure):
+  def _Backward(self, theta, args, grads_in, theta_grads, micro_batch, step, training,
+                measure):
     with tf.device(self._device), py_utils.Context(
         training=training, micro_batch=micro_batch, step=step, updates=[]):
       with tf.GradientTape(watch_accessed_variables=False) as tape:
         _Watch(tape, theta, args)
         out, acts = self._layer.CellFProp(self._k, theta, args)
       recomputed = _Stamp((out, acts)) if measure else None
-      return _CellGradients(tape, theta, args, (out, acts), grads_in) + (recomputed,)
+      d_args, d_theta = _CellGradients(tape, theta, args, (out, acts), grads_in)
+      return d_args, _Accumulate(theta_grads, d_theta), recomputed
 
   @staticmethod
   def _ContextArgs():
@@ -171,10 +178,11 @@ class _CellSteps:
     out, acts, stats = self._forward(theta, args, *self._ContextArgs())
     return out, acts, list(zip(self._update_layers, stats))
 
-  def Backward(self, theta, args, grads_in):
-    """(input grads, theta grads, time the recompute ended or None) of the cell."""
+  def Backward(self, theta, args, grads_in, theta_grads):
+    """(input grads, theta_grads + this micro-batch's theta grads, time the recompute
+    ended or None) of the cell; the sum happens inside the call, one op per step."""
     measure = py_utils.CurrentContext().step_stats is not None
-    return self._backward(theta, args, grads_in, *self._ContextArgs(), measure)
+    return self._backward(theta, args, grads_in, theta_grads, *self._ContextArgs(), measure)
 
 
 class _Run:
@@ -274,6 +282,7 @@ class _Run:
         grads_in = _After(self.tokens[k], grads_in)
         start = self._StartStamp(grads_in)
         d_args, d_theta = _CellGradients(tape, self.thetas[k], args, (out, acts), grads_in)
+        self.theta_grads[k] = _Accumulate(self.theta_grads[k], d_theta)
         recomputed = None
       else:
         # The recompute also waits for the output gradient, so a stage holds a
@@ -281,12 +290,8 @@ class _Run:
         waits = self.tokens[k] + [g for g in tf.nest.flatten(grads_in) if g is not None]
         args, grads_in = _After(waits, (self.inputs.pop(key), grads_in))
         start = self._StartStamp((args, grads_in))
-        d_args, d_theta, recomputed = self.cell_steps[k].Backward(
-            self.thetas[k], args, grads_in)
-      if self.theta_grads[k] is None:
-        self.theta_grads[k] = d_theta
-      else:
-        self.theta_grads[k] = tf.nest.map_structure(tf.add, self.theta_grads[k], d_theta)
+        d_args, self.theta_grads[k], recomputed = self.cell_steps[k].Backward(
+            self.thetas[k], args, grads_in, self.theta_grads[k])
       self._Record(k, schedule_lib.BACKWARD, m, start, (d_args, self.theta_grads[k]),
                    recomputed)
     self.tokens[k] = tf.nest.flatten(self.theta_grads[k])
@@ -514,6 +519,9 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   # -- public entry points --------------------------------------------------------
 
+  # The pipeline is plain Python run at trace time: AutoGraph converting it (when a
+  # caller's tf.function has autograph on) only costs time, ~25 s at K=4, M=32.
+  @tf.autograph.experimental.do_not_convert
   def FProp(self, theta, *inputs):
     """Pipelined forward; differentiable (fill-drain backward) with tf.GradientTape.
 
@@ -531,6 +539,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       outputs, acts = run.MergedOutputs()
     return self._Result(outputs, acts)
 
+  @tf.autograph.experimental.do_not_convert
   def ForwardBackward(self, theta, inputs, loss_fn):
     """(loss, grads) of loss_fn(outputs) by the configured schedule.
 
