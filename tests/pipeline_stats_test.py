@@ -98,6 +98,10 @@ def testBadRecords():
     pipeline_stats.Timeline.FromRecords([_Record(0, 'X', 0, 0, 1)])
   with pytest.raises(ValueError, match='Got 2 rows of times for 1 records'):
     pipeline_stats.Timeline.FromRecords([_Record(0, 'F', 0, 0, 1)], np.zeros((2, 3)))
+  reordered = _HandRecords()
+  reordered[0], reordered[1] = reordered[1], reordered[0]  # Stage 0 ran F1 before F0.
+  with pytest.raises(ValueError, match='no known schedule order'):
+    pipeline_stats.Summarize(pipeline_stats.Timeline.FromRecords(reordered))
 
 
 # -- real pipelines ---------------------------------------------------------------------
@@ -118,7 +122,7 @@ def _Loss(y):
   return tf.reduce_mean(tf.square(y - 0.5))
 
 
-def _CheckTimeline(timeline, num_stages, num_micro_batches, remat):
+def _CheckTimeline(timeline, num_stages, num_micro_batches, remat, sched='gpipe'):
   steps = sorted(zip(timeline.stage.tolist(), timeline.backward.tolist(),
                      timeline.micro_batch.tolist()))
   assert steps == sorted((k, b, m) for k in range(num_stages) for b in (False, True)
@@ -132,6 +136,7 @@ def _CheckTimeline(timeline, num_stages, num_micro_batches, remat):
   assert np.all(timeline.start[recomputed] <= timeline.recompute_end[recomputed])
   assert np.all(timeline.recompute_end[recomputed] <= timeline.end[recomputed])
   summary = pipeline_stats.Summarize(timeline)
+  assert summary.schedule == sched
   assert 0.0 <= summary.bubble_fraction <= 1.0
   assert all(0 <= d.busy <= summary.step_time * (1 + 1e-9) for d in summary.devices)
 
@@ -155,7 +160,7 @@ def testMeasuringChangesNoResultEagerAndInTfFunction(k, m, remat, sched):
   plain = Step(None)
   records = []
   AssertSame(Step(records), plain)
-  _CheckTimeline(pipeline_stats.Timeline.FromRecords(records), k, m, remat)
+  _CheckTimeline(pipeline_stats.Timeline.FromRecords(records), k, m, remat, sched)
 
   @tf.function
   def Measured():
@@ -164,7 +169,7 @@ def testMeasuringChangesNoResultEagerAndInTfFunction(k, m, remat, sched):
 
   measured, fn_records = Measured()
   AssertSame(measured, plain)
-  _CheckTimeline(pipeline_stats.Timeline.FromRecords(fn_records), k, m, remat)
+  _CheckTimeline(pipeline_stats.Timeline.FromRecords(fn_records), k, m, remat, sched)
 
 
 def testStackTimesOfATracedFunctionAndTapeBackward():

@@ -121,6 +121,21 @@ class Timeline:
     """The (replica, stage) pairs that ran steps, sorted."""
     return sorted(set(zip(self.replica.tolist(), self.stage.tolist())))
 
+  def Schedule(self):
+    """The schedule.py schedule whose per-stage orders the steps ran in (record order)."""
+    runs = {}
+    for replica, stage, b, m in zip(self.replica.tolist(), self.stage.tolist(),
+                                    self.backward.tolist(), self.micro_batch.tolist()):
+      runs.setdefault((replica, stage), []).append((m, b))
+    for name in schedule_lib.SCHEDULE_NAMES:
+      orders = simulator.Orders(name, self.num_stages, self.num_micro_batches)
+      expected = [list(zip(orders.micro_batch[k].tolist(), orders.backward[k].tolist()))
+                  for k in range(self.num_stages)]
+      if all(run == expected[stage] for (_, stage), run in runs.items()):
+        return name
+    raise ValueError(f'The steps ran in no known schedule order '
+                     f'({list(schedule_lib.SCHEDULE_NAMES)}); per device: {runs}.')
+
   def StageCosts(self):
     """(forward, backward) [K] median step durations per stage, over replicas and micro-batches."""
     duration = self.end - self.start
@@ -194,8 +209,9 @@ class Summary:
     return '\n'.join(lines)
 
 
-def Summarize(timeline, schedule='gpipe'):
-  """The step's Summary; `schedule` names the schedule that ran (for theory and simulation)."""
+def Summarize(timeline, schedule=None):
+  """The step's Summary; `schedule` names the schedule that ran, None to read it off the steps."""
+  schedule = schedule or timeline.Schedule()
   window = float(timeline.end.max() - timeline.start.min())
   devices = []
   for replica, stage in timeline.Devices():
