@@ -10,15 +10,25 @@ Jobs (--job):
                       evaluate each new checkpoint of <logdir>/train on the Dev or
                       Test data, summaries in <logdir>/eval_dev or eval_test;
                       --eval_once evaluates the latest checkpoint and exits.
-  trainer_client, worker
-                      multi-process pipelines (cells on remote workers): not
-                      implemented yet; --cluster_spec, --task and
-                      --worker_split_size are validated for them already.
+  worker              serves this process's devices to a cluster (a TensorFlow
+                      server) until killed: --task=N of --cluster_spec's worker job.
+  trainer_client      trains with the pipelines' stages on the workers' devices,
+                      --worker_split_size devices per pipeline, --worker_replicas
+                      pipelines; checkpoints and summaries as controller,trainer.
+  evaler_dev, evaler_test with --cluster_spec
+                      evaluate on the workers' devices in the same way.
+
+A cluster is --cluster_spec=worker=host:port,host:port (Lingvo's format, more
+jobs after '@'), or the TF_CONFIG environment variable. A cluster client that
+loses a worker (it exits, hangs or cannot be reached) stops within about
+--worker_timeout_secs with an error naming the worker; restart the worker and
+the client, and training resumes from the last checkpoint.
 
 --mode=inspect_params prints the model params (after overrides) and exits.
 Mistakes a user can make are one line on stderr and exit code 1.
 """
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -30,13 +40,17 @@ import tensorflow as tf
 
 from lingvo_gpipe import base_runner
 from lingvo_gpipe import checkpointer as checkpointer_lib
+from lingvo_gpipe import cluster as cluster_lib
 from lingvo_gpipe import learner as learner_lib
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import planner
 from lingvo_gpipe.core import py_utils
 
 _LOCAL_JOBS = ('controller,trainer', 'evaler_dev', 'evaler_test')
 _CLUSTER_JOBS = ('trainer_client', 'worker')
+# Jobs that run against a cluster when given one (--cluster_spec or TF_CONFIG).
+_CLIENT_JOBS = ('trainer_client', 'evaler_dev', 'evaler_test')
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', None, 'Registry key of the experiment, <domain>.<file>.<Class>. '
@@ -51,12 +65,26 @@ flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params'],
 flags.DEFINE_enum('job', 'controller,trainer', list(_LOCAL_JOBS + _CLUSTER_JOBS), 'What to run.')
 flags.DEFINE_integer('task', 0, 'Index of this process within its job of --cluster_spec.')
 flags.DEFINE_string('cluster_spec', '',
-                    "Lingvo's cluster spec: job=host:port,host:port@job2=host:port.")
+                    "Lingvo's cluster spec: job=host:port,host:port@job2=host:port. Empty: "
+                    'worker, trainer_client and the evalers read TF_CONFIG if it is set.')
 flags.DEFINE_integer('worker_split_size', None,
-                     'Devices per pipeline; locally also the default of --num_cpu_devices.')
+                     'Devices per pipeline replica (default: the number of stages of the '
+                     "model); replica r runs on split r of the cluster's (or local) devices.")
+flags.DEFINE_integer('worker_replicas', 1,
+                     'R data-parallel replicas of each pipeline, each on its own split of '
+                     'devices and 1/R of the batch; their gradients are summed, so training '
+                     'equals one device on the whole batch.')
+flags.DEFINE_float('worker_timeout_secs', 60.0,
+                   'Cluster clients: how long workers may take to answer at start-up and each '
+                   'status request (one a second); a worker that does not stops the job with '
+                   'an error naming it.')
+flags.DEFINE_integer('worker_intra_op_threads', 0,
+                     "--job=worker: the server's intra-op threads (0: TensorFlow's default).")
+flags.DEFINE_integer('worker_inter_op_threads', 0,
+                     "--job=worker: the server's inter-op threads (0: TensorFlow's default).")
 flags.DEFINE_integer('num_cpu_devices', None,
-                     'Logical CPU devices of a local run; default: one per pipeline stage of '
-                     'the model (4 if the params name no stages).')
+                     'Logical CPU devices of a local run; default: worker_replicas x one per '
+                     'pipeline stage of the model (4 if the params name no stages).')
 flags.DEFINE_string('model_params_override', '',
                     "Params text applied to the model params: 'a.b : value' lines separated "
                     "by ';' or newlines, e.g. 'train.max_steps : 100; task.train.learning_rate "
@@ -68,65 +96,110 @@ flags.DEFINE_integer('checkpoint_max_to_keep', 5, 'Recent checkpoints kept.')
 flags.DEFINE_boolean('eval_once', False, 'Evalers: evaluate the latest checkpoint and exit.')
 flags.DEFINE_integer('eval_batches', None, 'Evalers: at most this many batches per evaluation; '
                      'default the whole (finite) Dev/Test dataset.')
+flags.DEFINE_string('balance_file', '',
+                    'A balance plan (tools/plan_balance.py) that cuts the pipelines of the model '
+                    'into its stages, replacing their splits.')
+flags.DEFINE_integer('pipeline_stats_every', 0,
+                     'Every N steps, time the pipeline schedule steps of one training step and '
+                     'write pipeline/bubble_fraction (measured, simulated, theory) and per-stage '
+                     'busy and idle seconds to TensorBoard, and a Chrome trace '
+                     '<logdir>/train/pipeline_trace_<step>.json. 0: off (no timing ops).')
 
 # -- flags -> configuration ------------------------------------------------------------
 
 
-def ParseClusterSpec(text):
-  """Lingvo's 'job=host:port,host:port@job2=host:port' as {job: [address, ...]}."""
-  spec = {}
-  for part in filter(None, text.split('@')):
-    job, sep, hosts = part.partition('=')
-    if not sep or not job or not hosts:
-      raise base_runner.UserError(f'--cluster_spec: {part!r} is not job=host:port[,host:port].')
-    if job in spec:
-      raise base_runner.UserError(f'--cluster_spec: job {job!r} appears twice.')
-    for address in hosts.split(','):
-      host, colon, port = address.rpartition(':')
-      if not (colon and host and port.isdigit() and 0 < int(port) < 65536):
-        raise base_runner.UserError(f'--cluster_spec: address {address!r} of job {job!r} is '
-                                    'not host:port.')
-    spec[job] = hosts.split(',')
-  return spec
-
-
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
-  """Which job and task this process is, in which cluster: what multi-process jobs need."""
+  """Which job and task this process is, in which cluster, and how pipelines use its devices."""
   job: str
   task: int
   spec: dict
   worker_split_size: int
+  worker_replicas: int
+  timeout_secs: float
 
   @classmethod
   def FromFlags(cls):
-    spec = ParseClusterSpec(FLAGS.cluster_spec)
-    if FLAGS.task < 0:
-      raise base_runner.UserError(f'--task must be >= 0, got {FLAGS.task}.')
+    """From the flags; with no --cluster_spec, cluster jobs take TF_CONFIG's cluster and task."""
+    spec, task, source = cluster_lib.ParseClusterSpec(FLAGS.cluster_spec), FLAGS.task, (
+        '--cluster_spec')
+    uses_cluster = FLAGS.job in _CLUSTER_JOBS + _CLIENT_JOBS
+    if not spec and uses_cluster and os.environ.get('TF_CONFIG'):
+      spec, tf_config_task = cluster_lib.ParseTfConfig(os.environ['TF_CONFIG'])
+      source = 'TF_CONFIG'
+      if tf_config_task is not None and not FLAGS['task'].present:
+        task = tf_config_task
+    if task < 0:
+      raise base_runner.UserError(f'--task must be >= 0, got {task}.')
     job_name = FLAGS.job.split(',')[-1]
-    if job_name in spec and FLAGS.task >= len(spec[job_name]):
-      raise base_runner.UserError(f'--task={FLAGS.task} but --cluster_spec lists '
-                                  f'{len(spec[job_name])} {job_name} task(s).')
-    for name in ('worker_split_size', 'num_cpu_devices'):
+    if job_name in spec and task >= len(spec[job_name]):
+      raise base_runner.UserError(f'--task={task} but {source} lists {len(spec[job_name])} '
+                                  f'{job_name} task(s).')
+    if spec and not uses_cluster:
+      raise base_runner.UserError(
+          f'--cluster_spec is for --job=trainer_client, worker and the evalers; --job={FLAGS.job} '
+          'trains in this process: drop --cluster_spec, or use --job=trainer_client.')
+    if FLAGS.job in _CLUSTER_JOBS and cluster_lib.WORKER_JOB not in spec:
+      raise base_runner.UserError(
+          f'--job={FLAGS.job} needs a cluster with a {cluster_lib.WORKER_JOB} job: '
+          f'--cluster_spec={cluster_lib.WORKER_JOB}=host:port,host:port or TF_CONFIG; got '
+          f'{spec or "none"}.')
+    for name in ('worker_split_size', 'num_cpu_devices', 'worker_replicas'):
       if FLAGS[name].value is not None and FLAGS[name].value < 1:
         raise base_runner.UserError(f'--{name} must be >= 1, got {FLAGS[name].value}.')
-    return cls(FLAGS.job, FLAGS.task, spec, FLAGS.worker_split_size)
+    for name in ('worker_intra_op_threads', 'worker_inter_op_threads'):
+      if FLAGS[name].value < 0:
+        raise base_runner.UserError(f'--{name} must be >= 0, got {FLAGS[name].value}.')
+    if FLAGS.worker_timeout_secs <= 0:
+      raise base_runner.UserError(
+          f'--worker_timeout_secs must be > 0, got {FLAGS.worker_timeout_secs:g}.')
+    return cls(FLAGS.job, task, spec, FLAGS.worker_split_size, FLAGS.worker_replicas,
+               FLAGS.worker_timeout_secs)
+
+
+def _PipelineParams(params):
+  """The PipeliningLayer params within `params`, outermost first."""
+  if (isinstance(params, hyperparams.InstantiableParams) and isinstance(params.cls, type) and
+      issubclass(params.cls, gpipe.PipeliningLayer)):
+    yield params
+  for _, value in params.IterParams():
+    for child in value if isinstance(value, (list, tuple)) else [value]:
+      if isinstance(child, hyperparams.Params):
+        yield from _PipelineParams(child)
+
+
+def _Stages(pipeline_params):
+  """K of PipeliningLayer params: its cells, or the stages a stack's `splits` names."""
+  if pipeline_params.cell_tpl:
+    return len(pipeline_params.cell_tpl)
+  if 'splits' in pipeline_params:
+    splits = pipeline_params.splits
+    return splits if isinstance(splits, int) else len(splits)
+  return 0
 
 
 def NumStages(params):
   """The largest number of pipeline stages that PipeliningLayer params within `params` name."""
-  stages = 0
-  if (isinstance(params, hyperparams.InstantiableParams) and isinstance(params.cls, type) and
-      issubclass(params.cls, gpipe.PipeliningLayer)):
-    if params.cell_tpl:
-      stages = len(params.cell_tpl)
-    elif 'splits' in params:
-      stages = params.splits if isinstance(params.splits, int) else len(params.splits)
-  for _, value in params.IterParams():
-    for child in value if isinstance(value, (list, tuple)) else [value]:
-      if isinstance(child, hyperparams.Params):
-        stages = max(stages, NumStages(child))
-  return stages
+  return max((_Stages(p) for p in _PipelineParams(params)), default=0)
+
+
+def PlacePipelines(params, split_size, replicas):
+  """Puts every pipeline of `params` that names no devices on splits of the available devices.
+
+  Each gets `replicas` data-parallel replicas, replica r on split r of
+  split_size devices (cluster.PipelineDevices). Pipelines a task builds in
+  code (not from its params) take the available devices by themselves, but
+  cannot have replicas or a split size.
+  """
+  pipelines = list(_PipelineParams(params))
+  if not pipelines and (replicas > 1 or split_size):
+    raise base_runner.UserError(
+        '--worker_replicas and --worker_split_size apply to PipeliningLayer params, and the '
+        "task's params hold none (it builds its pipelines in code).")
+  for p in pipelines:
+    if p.devices is None:
+      p.devices = cluster_lib.PipelineDevices(_Stages(p), replicas, split_size)
+    p.num_replicas = replicas
 
 
 def ConfigureLocalDevices(run_locally, num_cpu_devices):
@@ -180,8 +253,41 @@ def _Instantiate(model_params, train_dir, with_learner=False):
   return task, global_step, learner, checkpointer
 
 
-def RunTrainer(model_params, logdir):
-  """Trains to train.max_steps, resuming from the latest checkpoint of <logdir>/train."""
+def _StepPlacement(on_cluster):
+  """Where the ops a model leaves unplaced go: on a cluster with their inputs, not the client."""
+  return cluster_lib.ColocatedWithInputs() if on_cluster else contextlib.nullcontext()
+
+
+def _ApplyBalanceFile(task_params, path):
+  """Cuts the task's pipelines by the plan at `path`."""
+  try:
+    if not planner.ApplyPlan(task_params, planner.LoadPlan(path)):
+      raise ValueError('the model params hold no PipeliningLayer to cut.')
+  except ValueError as e:
+    raise base_runner.UserError(f'--balance_file: {e}') from None
+
+
+def _PipelineStats(learner, forward_backward_fn, train_dir):
+  """base_runner.PipelineStats of --pipeline_stats_every, or None when it is 0."""
+  every = FLAGS.pipeline_stats_every
+  if every < 0:
+    raise base_runner.UserError(f'--pipeline_stats_every must be >= 0, got {every}.')
+  if not every:
+    return None
+  return base_runner.PipelineStats(every, learner.BuildMeasuredStep(forward_backward_fn),
+                                   train_dir)
+
+
+def RunTrainer(model_params, logdir, input_device=None):
+  """Trains to train.max_steps, resuming from the latest checkpoint of <logdir>/train.
+
+  Args:
+    model_params: the experiment's params.
+    logdir: checkpoints and summaries go to <logdir>/train.
+    input_device: None makes batches in this process. A cluster client gives
+      the first stage's host CPU: batches are made there, not sent from the
+      client each step, and ops the model leaves unplaced stay with their inputs.
+  """
   train_dir = os.path.join(logdir, 'train')
   _MakeWritableDir(train_dir)
   task, global_step, learner, checkpointer = _Instantiate(model_params, train_dir,
@@ -193,11 +299,14 @@ def RunTrainer(model_params, logdir):
     logging.info('Global step %d is at train.max_steps=%d already: nothing to train.', step,
                  t.max_steps)
     return
-  dataset = base_runner.InputDataset(model_params.input, start_batch=step)
+  with tf.device(input_device):
+    dataset = base_runner.InputDataset(model_params.input, start_batch=step)
+    iterator = iter(dataset)
 
   def ForwardBackward(batch):
     theta = task.theta
-    metrics, grads = task.ForwardBackward(theta, batch)
+    with _StepPlacement(input_device is not None):
+      metrics, grads = task.ForwardBackward(theta, batch)
     return metrics, learner_lib.GradientsAndVariables(theta, grads)
 
   loop_fn = learner.BuildLoop(dataset.element_spec, ForwardBackward)
@@ -210,14 +319,20 @@ def RunTrainer(model_params, logdir):
       max_steps=t.max_steps, steps_per_loop=FLAGS.steps_per_loop,
       save_interval_steps=t.save_interval_steps, summary_interval_steps=t.summary_interval_steps,
       log_interval_steps=t.log_interval_steps)
-  step = base_runner.RunTraining(loop_fn, iter(dataset), global_step, checkpointer, writer,
-                                 settings, base_runner.BatchSize(dataset.element_spec))
+  step = base_runner.RunTraining(loop_fn, iterator, global_step, checkpointer, writer,
+                                 settings, base_runner.BatchSize(dataset.element_spec),
+                                 _PipelineStats(learner, ForwardBackward, train_dir))
   logging.info('Trained to step %d. Latest checkpoint: %s; TensorBoard: tensorboard --logdir=%s',
                step, checkpointer.latest, logdir)
 
 
-def RunEvaler(model_params, logdir, dataset_name):
-  """Evaluates checkpoints of <logdir>/train, summaries in <logdir>/eval_<dataset>."""
+def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
+  """Evaluates checkpoints of <logdir>/train, summaries in <logdir>/eval_<dataset>.
+
+  on_cluster: the pipelines run on a cluster's workers; ops the model leaves
+  unplaced stay with their inputs. Batches are made here (evaluation reads
+  them one by one).
+  """
   train_dir = os.path.join(logdir, 'train')
   eval_dir = os.path.join(logdir, f'eval_{dataset_name.lower()}')
   _MakeWritableDir(eval_dir)
@@ -229,7 +344,7 @@ def RunEvaler(model_params, logdir, dataset_name):
 
   @tf.function(autograph=False)
   def EvalStep(batch):
-    with py_utils.EvalMode():
+    with py_utils.EvalMode(), _StepPlacement(on_cluster):
       return task.FPropTower(task.theta, batch)
 
   writer = tf.summary.create_file_writer(eval_dir)
@@ -260,35 +375,58 @@ def RunEvaler(model_params, logdir, dataset_name):
       return
 
 
-def RunClusterJob(cluster):
-  """Multi-process jobs: the flags are validated, the jobs themselves are not built yet."""
-  raise base_runner.UserError(
-      f'--job={cluster.job} is not implemented yet: pipelines across processes (cells on '
-      'remote workers) come with the cluster work; run locally with --job=controller,trainer.')
+def RunWorker(cluster):
+  """Serves this process's devices as task cluster.task of the worker job, until killed."""
+  config = cluster_lib.ServerConfig(FLAGS.worker_intra_op_threads, FLAGS.worker_inter_op_threads)
+  cluster_lib.StartServer(cluster.spec, cluster_lib.WORKER_JOB, cluster.task, config).join()
+
+
+def RunClusterClient(model_params, cluster, dataset_name):
+  """trainer_client or an evaler whose pipelines run on the cluster's workers.
+
+  The job runs under a HealthMonitor: a worker that stops answering ends it
+  with a WorkerUnavailableError naming the worker, instead of a hang.
+  """
+  addresses = cluster_lib.WorkerAddresses(cluster.spec)
+  cluster_lib.WaitForWorkers(addresses, cluster.timeout_secs)
+
+  def Job():
+    cluster_lib.Connect(cluster.spec, cluster.timeout_secs)
+    PlacePipelines(model_params.task, cluster.worker_split_size, cluster.worker_replicas)
+    if cluster.job == 'trainer_client':
+      RunTrainer(model_params, FLAGS.logdir, cluster_lib.InputDevice())
+    else:
+      RunEvaler(model_params, FLAGS.logdir, dataset_name, on_cluster=True)
+
+  cluster_lib.HealthMonitor(addresses, cluster.timeout_secs).Run(Job)
 
 
 def _Run():
   cluster = ClusterConfig.FromFlags()
+  if FLAGS.job == 'worker':
+    RunWorker(cluster)
+    return
   if not FLAGS.model:
     raise base_runner.UserError('--model is required (a registry key such as '
                                 'lm.synthetic.GPipeTransformerLmTiny).')
   dataset_name = {'evaler_dev': 'Dev', 'evaler_test': 'Test'}.get(FLAGS.job, 'Train')
   model_params = base_runner.LoadModelParams(FLAGS.model, dataset_name,
                                              FLAGS.model_params_override, FLAGS.max_steps)
+  if FLAGS.balance_file:
+    _ApplyBalanceFile(model_params.task, FLAGS.balance_file)
   if FLAGS.mode == 'inspect_params':
     sys.stdout.write(model_params.ToText())
     return
-  if FLAGS.job in _CLUSTER_JOBS:
-    RunClusterJob(cluster)
-  if cluster.spec:
-    raise base_runner.UserError(
-        f'--cluster_spec is for --job=trainer_client/worker (not implemented yet); '
-        f'--job={FLAGS.job} runs locally: drop --cluster_spec.')
   if not FLAGS.logdir:
     raise base_runner.UserError('--logdir is required.')
+  if cluster.spec:
+    RunClusterClient(model_params, cluster, dataset_name)
+    return
+  split_size = cluster.worker_split_size or NumStages(model_params.task) or 4
   ConfigureLocalDevices(FLAGS.run_locally,
-                        FLAGS.num_cpu_devices or cluster.worker_split_size or
-                        NumStages(model_params.task) or 4)
+                        FLAGS.num_cpu_devices or cluster.worker_replicas * split_size)
+  if cluster.worker_replicas > 1 or cluster.worker_split_size:
+    PlacePipelines(model_params.task, cluster.worker_split_size, cluster.worker_replicas)
   if FLAGS.job == 'controller,trainer':
     RunTrainer(model_params, FLAGS.logdir)
   else:
@@ -302,6 +440,11 @@ def main(argv):
     _Run()
   except base_runner.UserError as e:
     sys.stderr.write(f'trainer: error: {" ".join(str(e).split())}\n')
+    if isinstance(e, cluster_lib.WorkerUnavailableError):
+      # A TensorFlow call may still wait on the lost worker in the job's thread;
+      # a normal exit would abort in it.
+      sys.stderr.flush()
+      os._exit(1)  # pylint: disable=protected-access
     sys.exit(1)
 
 

@@ -229,15 +229,17 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
       ([model, f'--logdir={not_a_dir}/log'], f'Cannot write to {not_a_dir}/log/train'),
       ([model, logdir, '--job=evaler_dev', '--eval_once'],
        f'No checkpoint in {tmp_path}/log/train to evaluate.'),
-      ([model, '--job=worker', '--cluster_spec=worker=localhost:2222,localhost:2223',
-        '--task=1'], '--job=worker is not implemented yet'),
-      ([model, '--job=trainer_client'], '--job=trainer_client is not implemented yet'),
-      ([model, '--job=worker', '--cluster_spec=worker=localhost:2222', '--task=1'],
+      ([model, logdir, '--job=trainer_client'],
+       '--job=trainer_client needs a cluster with a worker job'),
+      (['--job=worker', '--cluster_spec=worker=localhost:2222', '--task=1'],
        '--task=1 but --cluster_spec lists 1 worker task(s).'),
       ([model, logdir, '--cluster_spec=worker=localhost'],
        "address 'localhost' of job 'worker' is not host:port"),
       ([model, logdir, '--cluster_spec=worker=localhost:2222'],
-       '--cluster_spec is for --job=trainer_client/worker (not implemented yet)'),
+       '--cluster_spec is for --job=trainer_client, worker and the evalers'),
+      ([model, logdir, '--worker_replicas=2', '--worker_split_size=1'],
+       "--worker_replicas and --worker_split_size apply to PipeliningLayer params, and the "
+       "task's params hold none"),
       ([model, '--num_cpu_devices=0'], '--num_cpu_devices must be >= 1, got 0.'),
       ([model], '--logdir is required.'),
   ]
@@ -265,16 +267,6 @@ def testCheckpointOfAnotherModelIsRefusedAndNothingWritten(tmp_path, capsys, mon
 
 
 # -- in process: flags, stages, the Learner -------------------------------------------
-
-
-def testParseClusterSpec():
-  assert trainer.ParseClusterSpec('') == {}
-  assert trainer.ParseClusterSpec('worker=h0:1,h1:2@evaler=h2:3') == {
-      'worker': ['h0:1', 'h1:2'], 'evaler': ['h2:3']}
-  for bad in ('worker', 'worker=h0', 'worker=h0:x', 'worker=h0:1@worker=h1:2', '=h:1',
-              'worker=h0:70000'):
-    with pytest.raises(base_runner.UserError, match='--cluster_spec'):
-      trainer.ParseClusterSpec(bad)
 
 
 def testNumStagesReadsPipelineParams():

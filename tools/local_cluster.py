@@ -1,0 +1,190 @@
+r"""Starts N TensorFlow worker processes on free loopback ports and prints the cluster spec.
+
+  python tools/local_cluster.py --num_workers=2
+  # prints e.g. worker=localhost:41231,localhost:39555 and serves until Ctrl-C; then:
+  python -m lingvo_gpipe.trainer --job=trainer_client --cluster_spec=worker=localhost:41231,\
+      localhost:39555 --model=lm.synthetic.GPipeTransformerLmTiny --logdir=/tmp/lm
+
+Each worker is `python -m lingvo_gpipe.trainer --job=worker` in its own process
+group, optionally pinned to a core (--cpus, with taskset) and given a number of
+threads. Ctrl-C, SIGTERM, SIGHUP or a worker that exits stops them all. Tests
+and tools use LocalCluster, a context manager that stops its workers however
+the block ends.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+from lingvo_gpipe import cluster as cluster_lib
+
+_HOST = 'localhost'
+
+
+def FreePorts(count):
+  """`count` distinct ports that were free on the loopback interface a moment ago."""
+  sockets = []
+  try:
+    for _ in range(count):
+      s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+      s.bind(('127.0.0.1', 0))
+      sockets.append(s)
+    return [s.getsockname()[1] for s in sockets]
+  finally:
+    for s in sockets:
+      s.close()
+
+
+def _Signal(proc, sig):
+  """Sends `sig` to the process group of `proc`, unless it is gone already."""
+  try:
+    os.killpg(proc.pid, sig)
+  except ProcessLookupError:
+    pass
+
+
+class LocalCluster:
+  """Worker processes of one cluster on this machine's loopback interface.
+
+  Args:
+    num_workers: N worker tasks.
+    cpus: optional core per task (taskset -c), e.g. [0, 1].
+    intra_op_threads, inter_op_threads: each worker's thread pools (0: default).
+    log_dir: where worker i writes worker<i>.log; default a new temporary directory.
+    ready_timeout_secs: how long Start waits for the workers to answer.
+  """
+
+  def __init__(self, num_workers, cpus=None, intra_op_threads=0, inter_op_threads=0,
+               log_dir=None, ready_timeout_secs=120):
+    if num_workers < 1:
+      raise ValueError(f'num_workers must be >= 1, got {num_workers}.')
+    if cpus is not None and len(cpus) != num_workers:
+      raise ValueError(f'cpus {cpus} must give one core per worker ({num_workers}).')
+    self._cpus = cpus
+    self._threads = (intra_op_threads, inter_op_threads)
+    self._log_dir = log_dir or tempfile.mkdtemp(prefix='local_cluster_')
+    self._ready_timeout = ready_timeout_secs
+    self.addresses = [f'{_HOST}:{port}' for port in FreePorts(num_workers)]
+    self.spec = {cluster_lib.WORKER_JOB: self.addresses}
+    self.spec_text = f'{cluster_lib.WORKER_JOB}=' + ','.join(self.addresses)
+    self._procs = [None] * num_workers
+
+  def __enter__(self):
+    try:
+      self.Start()
+    except BaseException:
+      self.Stop()
+      raise
+    return self
+
+  def __exit__(self, *unused_exc_info):
+    self.Stop()
+
+  def LogPath(self, task):
+    return os.path.join(self._log_dir, f'worker{task}.log')
+
+  def Log(self, task):
+    """What worker `task` wrote so far."""
+    with open(self.LogPath(task), errors='replace') as f:
+      return f.read()
+
+  def Pid(self, task):
+    return self._procs[task].pid
+
+  def StartWorker(self, task):
+    """Starts worker `task` (again, after KillWorker), without waiting for it."""
+    command = [sys.executable, '-m', 'lingvo_gpipe.trainer', '--job=worker', f'--task={task}',
+               f'--cluster_spec={self.spec_text}',
+               f'--worker_intra_op_threads={self._threads[0]}',
+               f'--worker_inter_op_threads={self._threads[1]}']
+    if self._cpus is not None:
+      command = ['taskset', '-c', str(self._cpus[task])] + command
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get('TF_CPP_MIN_LOG_LEVEL', '2'))
+    with open(self.LogPath(task), 'a') as log:
+      self._procs[task] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                           env=env, start_new_session=True)
+
+  def WaitUntilReady(self):
+    """Returns once every worker answers; raises RuntimeError if one exits or the time is up."""
+    deadline = time.time() + self._ready_timeout
+    while True:
+      for task, proc in enumerate(self._procs):
+        if proc.poll() is not None:
+          raise RuntimeError(f'Worker task {task} ({self.addresses[task]}) exited with code '
+                             f'{proc.returncode}:\n{self.Log(task)[-3000:]}')
+      failures = cluster_lib.UnansweredWorkers(self.addresses, 1.0)
+      if not failures:
+        return
+      if time.time() > deadline:
+        raise RuntimeError(f'Workers not ready after {self._ready_timeout} s: {failures}')
+      time.sleep(0.2)
+
+  def Start(self):
+    for task in range(len(self.addresses)):
+      self.StartWorker(task)
+    self.WaitUntilReady()
+
+  def KillWorker(self, task, sig=signal.SIGKILL):
+    """Sends `sig` to worker `task`'s process group; waits for it to end unless it is SIGSTOP."""
+    proc = self._procs[task]
+    if proc is None or proc.poll() is not None:
+      return
+    _Signal(proc, sig)
+    if sig != signal.SIGSTOP:
+      proc.wait()
+
+  def Stop(self):
+    """Ends every worker: SIGTERM, then SIGKILL after 5 s."""
+    for proc in self._procs:
+      if proc is not None and proc.poll() is None:
+        _Signal(proc, signal.SIGCONT)
+        _Signal(proc, signal.SIGTERM)
+    for task, proc in enumerate(self._procs):
+      if proc is None:
+        continue
+      try:
+        proc.wait(timeout=5)
+      except subprocess.TimeoutExpired:
+        self.KillWorker(task)
+
+  def Exited(self):
+    """{task: exit code} of the workers that ended."""
+    return {t: p.returncode for t, p in enumerate(self._procs) if p and p.poll() is not None}
+
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer('num_workers', 2, 'Worker processes.')
+flags.DEFINE_list('cpus', None, 'Optional core per worker, e.g. 0,1 (taskset -c).')
+flags.DEFINE_integer('intra_op_threads', 0, "Each worker's intra-op threads (0: default).")
+flags.DEFINE_integer('inter_op_threads', 0, "Each worker's inter-op threads (0: default).")
+flags.DEFINE_string('worker_log_dir', None, 'Where worker<i>.log go; default a temporary directory.')
+
+
+def _Stop(signum, unused_frame):
+  raise SystemExit(128 + signum)
+
+
+def main(argv):
+  del argv
+  for signum in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(signum, _Stop)
+  cpus = [int(c) for c in FLAGS.cpus] if FLAGS.cpus else None
+  with LocalCluster(FLAGS.num_workers, cpus, FLAGS.intra_op_threads, FLAGS.inter_op_threads,
+                    FLAGS.worker_log_dir) as cluster:
+    print(cluster.spec_text, flush=True)
+    print(f'Worker logs: {cluster.LogPath(0)} ...; Ctrl-C stops the workers.', file=sys.stderr,
+          flush=True)
+    while not cluster.Exited():
+      time.sleep(0.5)
+    sys.exit(f'Worker(s) exited: {cluster.Exited()}; stopping the others.')
+
+
+if __name__ == '__main__':
+  app.run(main)
