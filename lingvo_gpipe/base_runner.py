@@ -13,6 +13,7 @@ global step, so training continues with the batches it has not seen.
 
 import dataclasses
 import datetime
+import os
 import re
 import time
 
@@ -21,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe import model_registry
+from lingvo_gpipe.core import pipeline_stats as pipeline_stats_lib
 from lingvo_gpipe.core import hyperparams
 
 # Splits override text at ';' outside quotes.
@@ -117,6 +119,32 @@ class LoopSettings:
         raise UserError(f'{name} must be at least 1, got {getattr(self, name)}.')
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineStats:
+  """Opt-in pipeline statistics: every `every` steps one training step runs measured.
+
+  step_fn: iterator -> (Learner.Apply outputs, pipeline_stats.Timeline) of one
+    training step (Learner.BuildMeasuredStep).
+  trace_dir: if set, each measured step's Chrome trace goes to
+    <trace_dir>/pipeline_trace_<step>.json.
+  """
+  every: int
+  step_fn: object
+  trace_dir: str = ''
+
+
+def _WritePipelineStats(writer, step, timeline, trace_dir):
+  summary = pipeline_stats_lib.Summarize(timeline)
+  WriteScalars(writer, step, summary.Scalars())
+  if trace_dir:
+    pipeline_stats_lib.WriteChromeTrace(
+        os.path.join(trace_dir, f'pipeline_trace_{step}.json'), timeline)
+  logging.info('step %d pipeline (%s, K=%d, M=%d): bubble %.3f measured, %.3f simulated with '
+               'the measured stage times, %.3f in theory; %.4f s', step, summary.schedule,
+               summary.num_stages, summary.num_micro_batches, summary.bubble_fraction,
+               summary.simulated_bubble, summary.theoretical_bubble, summary.step_time)
+
+
 class _Progress:
   """Speed and time-left estimates; the first loop call (tracing) is left out."""
 
@@ -147,7 +175,8 @@ class _Progress:
     return str(datetime.timedelta(seconds=round(seconds)))
 
 
-def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, batch_size):
+def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, batch_size,
+                pipeline_stats=None):
   """Trains until settings.max_steps or the end of the input; returns the global step.
 
   Args:
@@ -158,6 +187,8 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
     writer: a tf.summary writer for the training summaries.
     settings: LoopSettings.
     batch_size: examples per step, for examples_per_second (None to leave it out).
+    pipeline_stats: a PipelineStats to measure the steps that reach multiples of
+      its `every` and write their statistics as summaries; None measures nothing.
 
   Raises:
     NonFiniteError: when a step's loss or gradients are not finite; that step
@@ -170,9 +201,16 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
     # Loops end at checkpoint steps, so checkpoints land on multiples of the interval.
     to_save = s.save_interval_steps - step % s.save_interval_steps
     num_steps = int(min(s.steps_per_loop, s.max_steps - step, to_save))
+    # Loops also end before each measured step; a measured step runs alone.
+    measure = pipeline_stats is not None and (step + 1) % pipeline_stats.every == 0
+    if pipeline_stats is not None and not measure:
+      num_steps = min(num_steps, pipeline_stats.every - (step + 1) % pipeline_stats.every)
     start = time.time()
     try:
-      out = loop_fn(iterator, tf.constant(num_steps, tf.int64))
+      if measure:
+        out, timeline = pipeline_stats.step_fn(iterator)
+      else:
+        out = loop_fn(iterator, tf.constant(num_steps, tf.int64))
     except tf.errors.OutOfRangeError:
       step = int(global_step.numpy())
       logging.info('The input ended at step %d.', step)
@@ -184,12 +222,15 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
           f'Step {new_step}: loss {float(out.loss):g}, gradient norm {float(out.grad_norm):g} '
           'is not finite; training stopped without applying the step. Last good checkpoint: '
           f'{checkpointer.latest or "none"}.')
-    progress.Record(new_step - step, seconds)
+    if not measure:  # A measured step's time includes tracing it and the timing ops.
+      progress.Record(new_step - step, seconds)
     speed = progress.Speed(new_step - step, seconds)
     if _Crossed(step, new_step, s.summary_interval_steps):
       scalars = {name: value for name, (value, _) in out.metrics.items()}
       scalars.update(learning_rate=out.learning_rate, grad_norm=out.grad_norm, **speed)
       WriteScalars(writer, new_step, scalars)
+    if measure:
+      _WritePipelineStats(writer, new_step, timeline, pipeline_stats.trace_dir)
     if _Crossed(step, new_step, s.log_interval_steps):
       examples = (f'  {speed["examples_per_second"]:.1f} examples/s'
                   if 'examples_per_second' in speed else '')

@@ -10,6 +10,7 @@ the device-side loop that runs several steps in one tf.function call
 
 import tensorflow as tf
 
+from lingvo_gpipe.core import pipeline_stats
 from lingvo_gpipe.core import py_utils
 
 
@@ -88,9 +89,7 @@ class Learner:
     call raises tf.errors.OutOfRangeError with the steps before it applied.
     """
     def Step(element, step):
-      with py_utils.Context(step=step):
-        metrics, grads_and_vars = forward_backward_fn(element)
-      return self.Apply(step, metrics, grads_and_vars)
+      return self._TrainStep(forward_backward_fn, element, step)
 
     # Traced once; the loop body calls the traced step, whose output structure
     # gives the loop's initial state. Without AutoGraph: layers use Python
@@ -114,3 +113,30 @@ class Learner:
       return out
 
     return Loop
+
+  def _TrainStep(self, forward_backward_fn, element, step, step_stats=None):
+    with py_utils.Context(step=step, step_stats=step_stats):
+      metrics, grads_and_vars = forward_backward_fn(element)
+    return self.Apply(step, metrics, grads_and_vars)
+
+  def BuildMeasuredStep(self, forward_backward_fn):
+    """A function iterator -> (Apply outputs, pipeline_stats.Timeline) of one training step.
+
+    The step is BuildLoop's, run with the pipelines' step timing on
+    (py_utils.Context(step_stats)) in its own tf.function: built only when
+    statistics are asked for, so the usual loop carries no timing ops.
+    """
+    records = []  # Traced once: the steps' stage, pass and micro-batch.
+
+    @tf.function(autograph=False)
+    def Step(iterator):
+      records.clear()  # A retrace records the steps afresh.
+      out = self._TrainStep(forward_backward_fn, next(iterator),
+                            self.global_step.read_value(), step_stats=records)
+      return out, pipeline_stats.StackTimes(records)
+
+    def Measured(iterator):
+      out, times = Step(iterator)
+      return out, pipeline_stats.Timeline.FromRecords(records, times.numpy())
+
+    return Measured

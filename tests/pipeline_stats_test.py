@@ -1,7 +1,11 @@
 """Tests of lingvo_gpipe.core.pipeline_stats: hand-made timelines and real pipelines."""
 
+import glob
 import json
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -225,3 +229,57 @@ def testMeasuringAddsNoWaitBetweenStages(sched):
       waits_on = _StepOf(other.name)
       assert waits_on is None or waits_on[0] == k or waits_on in allowed, (
           f'{op.name} waits for {other.name}')
+
+
+# -- the trainer's --pipeline_stats_every ------------------------------------------------
+
+_PARAMS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'testdata', 'params')
+
+
+def _StartTrainer(logdir, *flags):
+  env = dict(os.environ, LINGVO_GPIPE_PARAMS=_PARAMS_DIR, TF_CPP_MIN_LOG_LEVEL='2')
+  return subprocess.Popen(
+      [sys.executable, '-m', 'lingvo_gpipe.trainer', '--model=toy.regression.PipelinedRegression',
+       f'--logdir={logdir}', '--max_steps=4', *flags],
+      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _Scalars(directory):
+  scalars = {}
+  for path in glob.glob(os.path.join(directory, 'events.out.tfevents.*')):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        array = tf.make_ndarray(value.tensor)
+        if array.dtype.kind == 'f':  # Not the text summaries.
+          scalars.setdefault(value.tag, {})[event.step] = float(array)
+  return scalars
+
+
+def testTrainerWritesPipelineStatisticsAndTrainsTheSame(tmp_path):
+  """The toy experiment: K=2 stages, M=2 micro-batches, remat 'always', steps of 8 rows."""
+  runs = {name: _StartTrainer(tmp_path / name, *flags) for name, flags in
+          (('plain', ()), ('measured', ('--pipeline_stats_every=2',)))}
+  for proc in runs.values():
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+  train_dir = str(tmp_path / 'measured' / 'train')
+  scalars = _Scalars(train_dir)
+  assert sorted(scalars['pipeline/bubble_fraction']) == [2, 4]
+  assert scalars['pipeline/bubble_fraction_theory'][4] == pytest.approx(1 / 3)
+  for tag in ('stage0/forward', 'stage1/recompute', 'stage1/busy', 'stage0/idle'):
+    assert sorted(scalars[f'pipeline/{tag}']) == [2, 4]
+  assert 'pipeline/bubble_fraction' not in _Scalars(str(tmp_path / 'plain' / 'train'))
+  with open(os.path.join(train_dir, 'pipeline_trace_4.json')) as f:
+    spans = [e for e in json.load(f)['traceEvents'] if e['ph'] == 'X']
+  assert sorted(e['name'] for e in spans) == sorted(
+      ['F0', 'F1', 'R0', 'R1', 'B0', 'B1'] * 2)
+  checkpoints = [tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / name / 'train')))
+                 for name in ('plain', 'measured')]
+  names = checkpoints[0].get_variable_to_shape_map()
+  assert names == checkpoints[1].get_variable_to_shape_map()
+  for name in names:
+    measured, plain = (np.asarray(c.get_tensor(name)) for c in reversed(checkpoints))
+    if plain.dtype.kind == 'f':
+      np.testing.assert_allclose(measured, plain, rtol=1e-5, atol=1e-7)
+    else:
+      np.testing.assert_array_equal(measured, plain)

@@ -52,6 +52,8 @@ def _Python(value):
 
 def StackTimes(records):
   """[N, 3] float64 tensor of (start, end, recompute_end or NaN) of the records, in order."""
+  if not records:
+    return tf.zeros([0, 3], tf.float64)
   nan = tf.constant(np.nan, tf.float64)
   return tf.stack([tf.stack([r.start, r.end, nan if r.recompute_end is None else r.recompute_end])
                    for r in records])

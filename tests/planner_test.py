@@ -1,0 +1,183 @@
+"""Tests of lingvo_gpipe.core.planner: plans against brute force, plans applied, profiles."""
+
+import itertools
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import gpipe
+from lingvo_gpipe.core import layers
+from lingvo_gpipe.core import layers_with_gpipe
+from lingvo_gpipe.core import planner
+from lingvo_gpipe.core import simulator
+
+
+def _Profiles(seed, n):
+  rng = np.random.default_rng(seed)
+  return [planner.LayerProfile(
+      name=f'l{i}', forward_s=float(rng.uniform(1, 3)), backward_s=float(rng.uniform(2, 6)),
+      param_bytes=int(rng.integers(10, 100)), input_bytes=int(rng.integers(1, 10)),
+      activation_bytes=int(rng.integers(10, 50))) for i in range(n)]
+
+
+def _StageTimeAndMemory(profiles, ends, m, remat, slots):
+  """Independent reference: per stage (seconds, bytes) by the formulas of the docstring."""
+  out = []
+  for j, i in zip([0] + list(ends[:-1]), ends):
+    stage = profiles[j:i]
+    forward = sum(p.forward_s for p in stage)
+    backward = sum(p.backward_s for p in stage) + (forward if remat == 'always' else 0.0)
+    acts = sum(p.activation_bytes for p in stage)
+    kept = m * stage[0].input_bytes + acts if remat == 'always' else m * acts
+    out.append((forward + backward, (2 + slots) * sum(p.param_bytes for p in stage) + kept))
+  return out
+
+
+def _AllSplits(n, k):
+  for cuts in itertools.combinations(range(1, n), k - 1):
+    yield list(cuts) + [n]
+
+
+@pytest.mark.parametrize('seed,remat', [(0, 'always'), (1, 'always'), (2, 'never'),
+                                        (3, 'never')])
+def testPlanIsTheFastestSplitThatFitsByBruteForce(seed, remat):
+  n, k, m, slots = 8, 3, 4, 2
+  profiles = _Profiles(seed, n)
+  splits = {tuple(e): _StageTimeAndMemory(profiles, e, m, remat, slots) for e in _AllSplits(n, k)}
+  memories = sorted({max(mem for _, mem in s) for s in splits.values()})
+  for cap in [None] + memories[::3]:
+    fits = [s for s in splits.values() if cap is None or max(mem for _, mem in s) <= cap]
+    best = min(max(t for t, _ in s) for s in fits)
+    plan = planner.MakePlan(profiles, k, m, remat=remat, memory_cap_bytes=cap,
+                            optimizer_slots=slots)
+    stages = splits[tuple(plan.ends)]
+    assert max(t for t, _ in stages) == pytest.approx(best)
+    assert cap is None or max(mem for _, mem in stages) <= cap
+    np.testing.assert_allclose(plan.StageMemory(), [mem for _, mem in stages])
+
+
+def testCapTradesSpeedForMemoryAndTooSmallACapIsAClearError():
+  # Four equal-time layers, the first two holding most activations. The fastest split
+  # is [2, 4] (102 bytes on stage 0); under a cap of 60 it is [1, 4] (52 and 54 bytes).
+  profiles = [planner.LayerProfile(f'l{i}', 1.0, 2.0, 0, 1, a)
+              for i, a in enumerate([50, 50, 1, 1])]
+  fastest = planner.MakePlan(profiles, 2, 2)
+  assert fastest.ends == [2, 4] and fastest.StageMemory() == [102.0, 4.0]
+  capped = planner.MakePlan(profiles, 2, 2, memory_cap_bytes=60)
+  assert capped.ends == [1, 4] and capped.StageMemory() == [52.0, 54.0]
+  with pytest.raises(ValueError, match='No split into 2 stages fits memory_cap_bytes=50: the '
+                     'leanest split needs 54 bytes'):
+    planner.MakePlan(profiles, 2, 2, memory_cap_bytes=50)
+
+
+def testOneFOneBHoldsFewerMicroBatches():
+  profiles = [planner.LayerProfile(f'l{i}', 1.0, 2.0, 0, 10, 0) for i in range(4)]
+  gpipe_plan = planner.MakePlan(profiles, 2, 8, schedule='gpipe')
+  ofob_plan = planner.MakePlan(profiles, 2, 8, schedule='1f1b')
+  assert gpipe_plan.StageMemory() == [80.0, 80.0]  # M=8 inputs of 10 bytes.
+  assert ofob_plan.StageMemory() == [20.0, 20.0]  # At most K=2 in flight.
+
+
+def testGluedLayerStaysWithTheLayerBefore():
+  profiles = [planner.LayerProfile(f'l{i}', 1.0, 1.0, 0, 1, 1) for i in range(4)]
+  profiles.append(planner.LayerProfile('softmax', 10.0, 10.0, 0, 1, 1))
+  assert planner.MakePlan(profiles, 2, 4).ends == [4, 5]
+  assert planner.MakePlan(profiles, 2, 4, glued=[4]).ends == [3, 5]
+
+
+def testSaveLoadAndPrediction(tmp_path):
+  plan = planner.MakePlan(_Profiles(5, 6), 3, 4, schedule='1f1b', memory_cap_bytes=1e9,
+                          source='test')
+  path = str(tmp_path / 'plan.json')
+  plan.Save(path)
+  loaded = planner.LoadPlan(path)
+  assert loaded == plan
+  forward, backward = plan.StageCosts()
+  expected = simulator.Simulate(simulator.Orders('1f1b', 3, 4), forward, backward)
+  assert loaded.Predict().step_time == pytest.approx(expected.step_time)
+  assert loaded.ToJson()['predicted']['bubble_fraction'] == pytest.approx(
+      expected.bubble_fraction)
+  (tmp_path / 'bad.json').write_text('{"format": "other"}')
+  with pytest.raises(ValueError, match="Not a balance plan: format 'other'"):
+    planner.LoadPlan(str(tmp_path / 'bad.json'))
+  with pytest.raises(ValueError, match='Cannot read the balance plan'):
+    planner.LoadPlan(str(tmp_path / 'missing.json'))
+
+
+def _StackParams():
+  p = layers_with_gpipe.GPipeTransformerStack.Params().Set(
+      name='stack', model_dim=16, num_heads=2, hidden_dim=32, num_decoder_layers=3,
+      max_seq_len=8, splits=2, num_micro_batches=2)
+  p.emb_tpl.vocab_size = p.softmax_tpl.num_classes = 12
+  return p
+
+
+def _PlanFor(names, ends):
+  return planner.Plan(source='test', ends=ends, num_micro_batches=2, schedule='gpipe',
+                      remat='always', optimizer_slots=2,
+                      layers=[planner.LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names])
+
+
+def testApplyPlanToAStackAndToCells():
+  p = _StackParams()
+  names = ['tgt_emb', 'dec0', 'dec1', 'dec2', 'softmax']
+  assert planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5])) == 1
+  stack = p.Instantiate()
+  assert [[layer.params.name for layer in cell.sub] for cell in stack.cell] == [
+      ['tgt_emb'], ['dec0', 'dec1'], ['dec2', 'softmax']]
+
+  cells = gpipe.CellsFromEnds(
+      [layers.ProjectionLayer.Params().Set(name=f'p{i}', input_dim=4, output_dim=4)
+       for i in range(4)], [2, 4])
+  pipe = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells)
+  assert planner.ApplyPlan(pipe, _PlanFor(['p0', 'p1', 'p2', 'p3'], [1, 3, 4])) == 1
+  assert [[q.name for q in c.sub] for c in pipe.cell_tpl] == [['p0'], ['p1', 'p2'], ['p3']]
+  with pytest.raises(ValueError, match=r"is for layers \['a', 'b'\], but pipe has"):
+    planner.ApplyPlan(pipe, _PlanFor(['a', 'b'], [1, 2]))
+
+
+def testProfileLayersMeasuresBytesExactly():
+  dims = [8, 16, 4]
+  layer_params = [layers.ProjectionLayer.Params().Set(name=f'p{i}', input_dim=a, output_dim=b)
+                  for i, (a, b) in enumerate(zip(dims, dims[1:]))]
+  seen = []
+  profiles = planner.ProfileLayers(layer_params, tf.TensorSpec([1, 8]), batch_size=32,
+                                   repeats=2, progress=lambda i, n, p: seen.append((i, n)))
+  assert seen == [(0, 2), (1, 2)]
+  assert [p.name for p in profiles] == ['p0', 'p1']
+  assert [p.param_bytes for p in profiles] == [4 * (8 * 16 + 16), 4 * (16 * 4 + 4)]
+  assert [p.input_bytes for p in profiles] == [4 * 32 * 8, 4 * 32 * 16]
+  assert all(p.forward_s > 0 and p.backward_s >= 0 and p.activation_bytes >= 0
+             for p in profiles)
+
+
+def testStackProfilesGlueTheSoftmaxAndTheTrainerTakesThePlan(tmp_path):
+  p = _StackParams()
+  profiles, glued = planner.StackProfiles(p, batch_size=2, repeats=1)
+  assert [q.name for q in profiles] == ['tgt_emb', 'dec0', 'dec1', 'dec2', 'softmax']
+  assert glued == [4]
+  plan = planner.MakePlan(profiles, 3, 2, glued=glued, source='lm.synthetic.GPipeTransformerLmTiny')
+  assert plan.ends[-1] == 5 and plan.ends[-2] <= 3
+  path = str(tmp_path / 'plan.json')
+  # The registered tiny LM has 2 decoder layers: a plan of this stack's layers does not fit.
+  plan.Save(path)
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+  trainer = [sys.executable, '-m', 'lingvo_gpipe.trainer', '--mode=inspect_params',
+             '--model=lm.synthetic.GPipeTransformerLmTiny']
+  proc = subprocess.run(trainer + [f'--balance_file={path}'], env=env, capture_output=True,
+                        text=True, check=False)
+  assert proc.returncode == 1
+  assert "trainer: error: --balance_file: The balance plan of" in proc.stderr
+  tiny = planner.Plan(
+      source='tiny', ends=[2, 4], num_micro_batches=2, schedule='gpipe', remat='always',
+      optimizer_slots=2, layers=[planner.LayerProfile(n, 1.0, 1.0, 0, 0, 0)
+                                 for n in ['tgt_emb', 'dec0', 'dec1', 'softmax']])
+  tiny.Save(path)
+  proc = subprocess.run(trainer + [f'--balance_file={path}'], env=env, capture_output=True,
+                        text=True, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert 'task.stack.splits : [2, 4]' in proc.stdout
