@@ -15,14 +15,11 @@ time to trace and run the first step; x_plain columns divide by the plain run.
 """
 
 import json
-import os
 import statistics
-import subprocess
-import sys
-import time
 
 from absl import app
 from absl import flags
+import bench_utils
 
 PRESETS = {
     'anchors': dict(model='mlp', layers=16, width=256, hidden=1024, rows=8192),
@@ -31,7 +28,9 @@ PRESETS = {
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum('preset', 'small', list(PRESETS), 'Stack size preset; flags below override.')
-flags.DEFINE_enum('model', None, ['mlp', 'transformer'], 'Residual MLP or Transformer layers.')
+flags.DEFINE_string('model', None, "'mlp' (residual MLP), 'transformer', or a registry key "
+                    '(e.g. lm.synthetic.GPipeTransformerLmBig): its task on a batch of its input, '
+                    'its stack cut into K stages.')
 flags.DEFINE_integer('layers', None, 'Number of layers.')
 flags.DEFINE_integer('width', None, 'Model width.')
 flags.DEFINE_integer('hidden', None, 'Hidden (feed-forward) width.')
@@ -71,77 +70,26 @@ def _Grid():
 
 def _RunOne(config):
   """Builds the stack and times it; runs in a fresh process."""
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  cpus = tf.config.list_physical_devices('CPU')
-  tf.config.set_logical_device_configuration(
-      cpus[0], [tf.config.LogicalDeviceConfiguration()] * max(1, config['stages']))
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
-
-  if config['model'] == 'mlp':
-    layer = layers.TransformerFeedForwardLayer.Params().Set(
-        input_dim=config['width'], hidden_dim=config['hidden'])
-    shape = [config['rows'], config['width']]
-  else:
-    layer = layers.TransformerLayer.Params().Set(
-        input_dim=config['width'], hidden_dim=config['hidden'], num_heads=4,
-        mask_self_atten=True)
-    shape = [config['rows'], config['seq_len'], config['width']]
-  layer_params = [layer.Copy() for _ in range(config['layers'])]
-  x = tf.random.stateless_normal(shape, [1, 2])
-
-  def Loss(y):
-    return tf.reduce_mean(tf.square(y))
-
-  if config['stages'] == 0:
-    model = layers.SequentialLayer.Params().Set(name='plain', sub=layer_params).Instantiate()
-    use_tape = True
-  else:
-    cells = gpipe.PartitionSequentialLayers(layer_params, config['stages'], tf.TensorShape(shape))
-    model = gpipe.PipeliningLayer.Params().Set(
-        name='pipe', cell_tpl=cells, num_micro_batches=config['micro_batches'],
-        remat=config['remat'], schedule=config['schedule']).Instantiate()
-    use_tape = config['path'] == 'fprop' and config['schedule'] == 'gpipe'
-
-  @tf.function
-  def Step():
-    if use_tape:
-      with tf.GradientTape() as tape:
-        loss = Loss(model(x))
-      return loss, tape.gradient(loss, model.trainable_variables)
-    return model.ForwardBackward(model.theta, x, Loss)
-
-  def Run():
-    tf.nest.map_structure(lambda t: t.numpy(), Step())
-
-  start = time.perf_counter()
-  Run()
-  trace_s = time.perf_counter() - start
-  tf.config.experimental.reset_memory_stats('CPU:0')
-  live = tf.config.experimental.get_memory_info('CPU:0')['current']
+  tf = bench_utils.SetUpDevices(config['stages'])
+  step = bench_utils.BuildStep(tf, config)
+  trace_s = bench_utils.Seconds(step.run)
   times = []
-  for _ in range(config['steps']):
-    start = time.perf_counter()
-    Run()
-    times.append(time.perf_counter() - start)
-  peak = tf.config.experimental.get_memory_info('CPU:0')['peak'] - live
-  params = sum(int(tf.size(v)) for v in model.trainable_variables)
+  peak = bench_utils.PeakBytes(
+      tf, lambda: times.extend(bench_utils.Seconds(step.run) for _ in range(config['steps'])))
   return dict(config, peak_mb=peak / 2**20, step_s=statistics.median(times), trace_s=trace_s,
-              params=params)
+              params=step.params)
 
 
 def _Table(results):
   plain = results[0]
-  head = ('| K | M | remat | schedule | peak MB | x plain | step s | x plain | trace s |\n'
-          '|---|---|---|---|---|---|---|---|---|')
-  rows = []
-  for r in results:
-    k = 'plain' if r['stages'] == 0 else r['stages']
-    rows.append(f"| {k} | {r['micro_batches']} | {r['remat']} | {r['schedule']} | "
-                f"{r['peak_mb']:.1f} | {r['peak_mb'] / plain['peak_mb']:.3f} | "
-                f"{r['step_s']:.3f} | {r['step_s'] / plain['step_s']:.3f} | {r['trace_s']:.1f} |")
-  return '\n'.join([head] + rows)
+  return bench_utils.MarkdownTable(results, [
+      ('K', lambda r: 'plain' if r['stages'] == 0 else r['stages']),
+      ('M', lambda r: r['micro_batches']), ('remat', lambda r: r['remat']),
+      ('schedule', lambda r: r['schedule']), ('peak MB', lambda r: f"{r['peak_mb']:.1f}"),
+      ('x plain', lambda r: f"{r['peak_mb'] / plain['peak_mb']:.3f}"),
+      ('step s', lambda r: f"{r['step_s']:.3f}"),
+      ('x plain', lambda r: f"{r['step_s'] / plain['step_s']:.3f}"),
+      ('trace s', lambda r: f"{r['trace_s']:.1f}")])
 
 
 def main(argv):
@@ -152,20 +100,13 @@ def main(argv):
   grid = _Grid()
   results = []
   for i, config in enumerate(grid, 1):
-    proc = subprocess.run([sys.executable, __file__, f'--single={json.dumps(config)}'],
-                          capture_output=True, text=True, check=False)
-    if proc.returncode:
-      sys.exit(f'Configuration {config} failed:\n{proc.stderr[-3000:]}')
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = bench_utils.RunIsolated(__file__, config)
     results.append(result)
-    print(f"[{i}/{len(grid)}] K={result['stages']} M={result['micro_batches']} "
-          f"remat={result['remat']} schedule={result['schedule']}: "
-          f"peak {result['peak_mb']:.1f} MB, step {result['step_s']:.3f} s", file=sys.stderr)
-  print(_Table(results))
-  print(json.dumps(results, indent=1))
-  if FLAGS.json_out:
-    with open(FLAGS.json_out, 'w') as f:
-      json.dump(results, f, indent=1)
+    bench_utils.Progress(i, len(grid), f"K={result['stages']} M={result['micro_batches']} "
+                         f"remat={result['remat']} schedule={result['schedule']}: "
+                         f"peak {result['peak_mb']:.1f} MB, step {result['step_s']:.3f} s")
+  bench_utils.Emit(_Table(results), results, FLAGS.json_out,
+                   [f'Load average (1, 5, 15 min): {bench_utils.Load()}'])
 
 
 if __name__ == '__main__':

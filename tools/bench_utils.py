@@ -1,0 +1,214 @@
+"""What the benchmark tools share: one configuration per process, models, timing, memory, tables.
+
+A configuration is a JSON-able dict. A driver runs each in a fresh process
+(RunIsolated: `python <tool> --single=<json>`), so every allocator peak and
+thread setting is its own, and prints one progress line per configuration.
+In the child, SetUpDevices configures TensorFlow before its first op and
+BuildStep makes the training step of the configuration:
+
+  model: 'mlp' (residual feed-forward layers) or 'transformer' (Transformer
+    layers), built from layers/width/hidden/rows/seq_len; or a registry key
+    (e.g. lm.synthetic.GPipeTransformerLmBig) whose task runs on a batch of its
+    input, its stack cut into `stages` with `micro_batches`;
+  stages: K, 0 for the plain (unpipelined) model; micro_batches: M;
+  remat, schedule: the PipeliningLayer's; path: 'fprop' (FProp under a
+    GradientTape) or 'forward_backward' (ForwardBackward; 1F1B always).
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+
+def Progress(i, n, text):
+  """One progress line on stderr."""
+  print(f'[{i}/{n}] {text}', file=sys.stderr, flush=True)
+
+
+def Load():
+  """The 1, 5 and 15 minute load averages (this machine's cores are shared)."""
+  return [round(x, 2) for x in os.getloadavg()]
+
+
+def RunIsolated(script, config, timeout=None):
+  """Runs `script --single=<config JSON>` in a fresh process; returns its JSON result line."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get('TF_CPP_MIN_LOG_LEVEL', '2'))
+  proc = subprocess.run([sys.executable, script, f'--single={json.dumps(config)}'],
+                        capture_output=True, text=True, check=False, env=env, timeout=timeout)
+  if proc.returncode:
+    raise RuntimeError(f'Configuration {config} failed:\n{proc.stderr[-3000:]}')
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def SetUpDevices(num_devices, intra_op_threads=0, inter_op_threads=0):
+  """num_devices logical CPU devices and thread pools (0: TensorFlow's default); returns tf."""
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  tf.config.set_visible_devices([], 'GPU')
+  cpus = tf.config.list_physical_devices('CPU')
+  tf.config.set_logical_device_configuration(
+      cpus[0], [tf.config.LogicalDeviceConfiguration()] * max(1, num_devices))
+  tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
+  tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
+  return tf
+
+
+class Step:
+  """A configuration's training step: run() (eager call of the tf.function) and its sizes.
+
+  measured(): the same step with the pipeline's step timing on; returns a
+    pipeline_stats.Timeline (None for the plain model).
+  params: trainable parameter count; rows: examples per step.
+  """
+
+  def __init__(self, run, measured, params, rows):
+    self.run = run
+    self.measured = measured
+    self.params = params
+    self.rows = rows
+
+
+def _LayerParams(config):
+  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+  if config['model'] == 'mlp':
+    layer = layers.TransformerFeedForwardLayer.Params().Set(
+        input_dim=config['width'], hidden_dim=config['hidden'])
+    shape = [config['rows'], config['width']]
+  else:
+    layer = layers.TransformerLayer.Params().Set(
+        input_dim=config['width'], hidden_dim=config['hidden'],
+        num_heads=config.get('heads') or max(1, config['width'] // 64), mask_self_atten=True)
+    shape = [config['rows'], config['seq_len'], config['width']]
+  return [layer.Copy() for _ in range(config['layers'])], shape
+
+
+def _Fetch(tf, structure):
+  tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, 'numpy') else t, structure)
+
+
+def _Timed(tf, fn, records_fn):
+  """(fn as run(), measured() from records_fn(records) -> outputs)."""
+  from lingvo_gpipe.core import pipeline_stats  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import py_utils  # pylint: disable=g-import-not-at-top
+  records = []
+
+  @tf.function(autograph=False)
+  def Measured():
+    records.clear()
+    with py_utils.Context(step_stats=records):
+      out = records_fn()
+    return out, pipeline_stats.StackTimes(records)
+
+  def Timeline():
+    out, times = Measured()
+    _Fetch(tf, out)
+    return pipeline_stats.Timeline.FromRecords(records, times.numpy())
+
+  return lambda: _Fetch(tf, fn()), Timeline
+
+
+def _BuiltInStep(tf, config):
+  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+  layer_params, shape = _LayerParams(config)
+  x = tf.random.stateless_normal(shape, [1, 2])
+
+  def Loss(y):
+    return tf.reduce_mean(tf.square(y))
+
+  if config['stages'] == 0:
+    model = layers.SequentialLayer.Params().Set(name='plain', sub=layer_params).Instantiate()
+    use_tape = True
+  else:
+    cells = gpipe.PartitionSequentialLayers(layer_params, config['stages'], tf.TensorShape(shape))
+    model = gpipe.PipeliningLayer.Params().Set(
+        name='pipe', cell_tpl=cells, num_micro_batches=config['micro_batches'],
+        remat=config['remat'], schedule=config['schedule']).Instantiate()
+    use_tape = config['path'] == 'fprop' and config['schedule'] == 'gpipe'
+
+  def Body():
+    if use_tape:
+      with tf.GradientTape() as tape:
+        loss = Loss(model(x))
+      return loss, tape.gradient(loss, model.trainable_variables)
+    return model.ForwardBackward(model.theta, x, Loss)
+
+  run, measured = _Timed(tf, tf.function(Body, autograph=False), Body)
+  params = sum(int(tf.size(v)) for v in model.trainable_variables)
+  return Step(run, measured if config['stages'] else None, params, shape[0])
+
+
+def _RegisteredStep(tf, config):
+  from lingvo_gpipe import model_registry  # pylint: disable=g-import-not-at-top
+  params = model_registry.GetParams(config['model'], 'Train')
+  stack = params.task.stack
+  plain = config['stages'] == 0
+  stack.Set(splits=max(1, config['stages']), num_micro_batches=1 if plain else
+            config['micro_batches'], remat='never' if plain else config['remat'],
+            schedule='gpipe' if plain else config['schedule'])
+  task = params.task.Instantiate()
+  batch = next(iter(params.input.Instantiate().GetDataset()))
+
+  def Body():
+    return task.ForwardBackward(task.theta, batch)
+
+  run, measured = _Timed(tf, tf.function(Body, autograph=False), Body)
+  count = sum(int(tf.size(v)) for v in task.trainable_variables)
+  return Step(run, None if plain else measured, count, params.input.batch_size)
+
+
+def BuildStep(tf, config):
+  """The Step of a configuration (see the module docstring)."""
+  if config['model'] in ('mlp', 'transformer'):
+    return _BuiltInStep(tf, config)
+  return _RegisteredStep(tf, config)
+
+
+def Seconds(fn):
+  """Wall seconds of one call of fn()."""
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+def MedianSeconds(fn, repeats):
+  return statistics.median(Seconds(fn) for _ in range(repeats))
+
+
+def PeakBytes(tf, fn):
+  """Allocator peak (all logical CPU devices share it) of fn() above the live bytes before."""
+  tf.config.experimental.reset_memory_stats('CPU:0')
+  live = tf.config.experimental.get_memory_info('CPU:0')['current']
+  fn()
+  return tf.config.experimental.get_memory_info('CPU:0')['peak'] - live
+
+
+def MeasureBubble(step, repeats):
+  """The pipeline_stats.Summary (as a dict) of the measured step with the median bubble."""
+  from lingvo_gpipe.core import pipeline_stats  # pylint: disable=g-import-not-at-top
+  step.measured()  # Trace and warm up.
+  summaries = sorted((pipeline_stats.Summarize(step.measured()) for _ in range(repeats)),
+                     key=lambda s: s.bubble_fraction)
+  return summaries[len(summaries) // 2].AsDict()
+
+
+def MarkdownTable(rows, columns):
+  """A markdown table; columns are (header, function of a row -> text)."""
+  lines = ['| ' + ' | '.join(h for h, _ in columns) + ' |',
+           '|' + '---|' * len(columns)]
+  lines += ['| ' + ' | '.join(str(fn(r)) for _, fn in columns) + ' |' for r in rows]
+  return '\n'.join(lines)
+
+
+def Emit(table, results, json_out=None, notes=()):
+  """Prints the notes, the markdown table and the JSON of the results; writes the JSON file."""
+  for note in notes:
+    print(note)
+  print(table)
+  print(json.dumps(results, indent=1))
+  if json_out:
+    with open(json_out, 'w') as f:
+      json.dump(results, f, indent=1)
