@@ -167,7 +167,10 @@ class _Pinger:
     self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(self._addresses)),
                                                        thread_name_prefix='ping')
 
-  def Close(self):
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *unused_exc_info):
     self._pool.shutdown(wait=False)
     for channel in self._channels:
       channel.close()
@@ -193,18 +196,14 @@ def _FailureText(failures):
 
 def UnansweredWorkers(addresses, timeout_secs):
   """{task: description} of the workers that do not answer a status request in time."""
-  pinger = _Pinger(addresses)
-  try:
+  with _Pinger(addresses) as pinger:
     return pinger.Failures(timeout_secs)
-  finally:
-    pinger.Close()
 
 
 def WaitForWorkers(addresses, timeout_secs):
   """Returns once every worker answers; raises WorkerUnavailableError after timeout_secs."""
-  pinger = _Pinger(addresses)
   deadline = time.time() + timeout_secs
-  try:
+  with _Pinger(addresses) as pinger:
     pending = range(len(addresses))
     while True:
       failures = pinger.Failures(min(1.0, timeout_secs), pending)
@@ -216,8 +215,6 @@ def WaitForWorkers(addresses, timeout_secs):
             f'with --job={WORKER_JOB} --task=N and the same --cluster_spec.')
       pending = sorted(failures)
       time.sleep(0.2)
-  finally:
-    pinger.Close()
 
 
 class HealthMonitor:
@@ -258,8 +255,7 @@ class HealthMonitor:
       finally:
         done.set()
 
-    pinger = _Pinger(self._addresses)
-    try:
+    with _Pinger(self._addresses) as pinger:
       threading.Thread(target=Job, name='cluster_job', daemon=True).start()
       while not done.wait(self._interval):
         failures = pinger.Failures(self._timeout)
@@ -273,8 +269,6 @@ class HealthMonitor:
       if error is not None:
         raise error
       return outcome['value']
-    finally:
-      pinger.Close()
 
 
 # -- the client --------------------------------------------------------------------------

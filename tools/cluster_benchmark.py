@@ -1,0 +1,189 @@
+r"""Pipeline speed-up across two worker processes, each on one core, against one core.
+
+  python tools/cluster_benchmark.py                         # M in 1,2,4,8,16
+  python tools/cluster_benchmark.py --micro_batches=8 --layers=4 --rows=1024
+
+Baseline: one process pinned to core 0 (taskset, one intra-op thread) trains
+the whole model, a plain stack, on the global batch. Pipeline: two worker
+processes (tools/local_cluster.py) pinned to cores 0 and 1, one intra-op
+thread each, run the model's two stages as a PipeliningLayer; a client process
+connects to them and only dispatches. Both make each step's batch where the
+model starts (the pipeline: on worker 0) and train with plain SGD: forward,
+backward and the update of every weight where it lives (the pipeline's loss
+and last stage on worker 1). The client runs --steps_per_call steps per call
+in a device-side loop, so it does not take part in every step.
+
+Reported per M: seconds per step (the best call: the machine is shared, and
+other load only slows a run down; the median is in the JSON), examples per
+second, the speed-up over the baseline, GPipe's ideal 2M/(M+1) for two stages,
+and the speed-up's ratio to it. Prints a markdown table, then the JSON.
+"""
+
+import json
+import os
+import statistics
+import time
+
+from absl import app
+from absl import flags
+import bench_utils
+import local_cluster
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer('layers', 8, 'Residual feed-forward layers (Transformer FFN blocks).')
+flags.DEFINE_integer('width', 256, 'Model width.')
+flags.DEFINE_integer('hidden', 1024, 'Hidden width of each block.')
+flags.DEFINE_integer('rows', 4096, 'Global batch (rows).')
+flags.DEFINE_list('micro_batches', ['1', '2', '4', '8', '16'], 'M values.')
+flags.DEFINE_enum('remat', 'never', ['always', 'except_last', 'never'],
+                  "Re-materialization of the pipeline; 'never' does the baseline's work.")
+flags.DEFINE_integer('worker_inter_op_threads', 2,
+                     'Inter-op threads of the workers and the baseline process.')
+flags.DEFINE_integer('steps_per_call', 4, 'Training steps per client call.')
+flags.DEFINE_integer('calls', 3, 'Timed calls per configuration.')
+flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
+flags.DEFINE_string('single', None, 'Internal: one measuring process (JSON config).')
+
+
+def _Layers(config):
+  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+  return [layers.TransformerFeedForwardLayer.Params().Set(
+      name=f'ffn{i}', input_dim=config['width'], hidden_dim=config['hidden'])
+          for i in range(config['layers'])]
+
+
+def _StepsPerSecond(config, device, forward_backward, variables):
+  """Times calls of steps_per_call SGD steps; returns (first call s, [s per step])."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  rows, width, n = config['rows'], config['width'], config['steps_per_call']
+  with tf.device(device):
+    counter = tf.Variable(0, dtype=tf.int64, trainable=False, name='counter')
+
+  def Step(i, unused_loss):
+    with tf.device(device):
+      x = tf.random.stateless_normal([rows, width], tf.stack([counter.assign_add(1), i]))
+    with cluster_lib.ColocatedWithInputs():
+      loss, grads = forward_backward(x, lambda y: tf.reduce_mean(tf.square(y)))
+      for grad, var in zip(grads, variables):
+        with tf.device(var.device):
+          var.assign_sub(1e-3 * grad)
+    return i + 1, loss
+
+  @tf.function(autograph=False)
+  def Call():
+    return tf.while_loop(lambda i, _: i < n, Step,
+                         (tf.constant(0, tf.int64), tf.constant(0.0)))[1]
+
+  start = time.perf_counter()
+  Call().numpy()
+  first = time.perf_counter() - start
+  times = []
+  for _ in range(config['calls']):
+    start = time.perf_counter()
+    Call().numpy()
+    times.append((time.perf_counter() - start) / n)
+  return first, times
+
+
+def _Result(config, first, times, **extra):
+  return dict(config, first_call_s=first, step_s=min(times), median_step_s=statistics.median(times),
+              examples_per_s=config['rows'] / min(times), **extra)
+
+
+def _Baseline(config):
+  """The whole model, unpipelined, in this process on core 0 (as taskset -c 0 would)."""
+  os.sched_setaffinity(0, {0})
+  tf = bench_utils.SetUpDevices(1, intra_op_threads=1,
+                                inter_op_threads=config['inter_op_threads'])
+  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+  model = layers.SequentialLayer.Params().Set(name='model', sub=_Layers(config)).Instantiate()
+  variables = model.trainable_variables
+
+  def ForwardBackward(x, loss_fn):
+    with tf.GradientTape() as tape:
+      loss = loss_fn(model.FProp(model.theta, x))
+    return loss, tape.gradient(loss, variables)
+
+  return [_Result(config, *_StepsPerSecond(config, '/device:CPU:0', ForwardBackward, variables))]
+
+
+def _Pipelines(config):
+  """Two stages on the cluster's two workers, for each M; this process only dispatches."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  cluster_lib.Connect(config['spec'], timeout_secs=120)
+  devices = cluster_lib.PipelineDevices(2)
+  cells = gpipe.PartitionSequentialLayers(_Layers(config), 2,
+                                          tf.TensorShape([config['rows'], config['width']]))
+  results = []
+  for m in config['micro_batches']:
+    pipe = gpipe.PipeliningLayer.Params().Set(
+        name=f'pipe{m}', cell_tpl=cells, num_micro_batches=m, remat=config['remat'],
+        devices=devices).Instantiate()
+    theta = pipe.theta
+    variables = tf.nest.flatten(theta)
+
+    def ForwardBackward(x, loss_fn, pipe=pipe, theta=theta):
+      loss, grads = pipe.ForwardBackward(theta, x, loss_fn)
+      return loss, tf.nest.flatten(grads)
+
+    results.append(_Result(config, *_StepsPerSecond(config, devices[0], ForwardBackward,
+                                                    variables), micro_batches=m))
+  return results
+
+
+def _Config(**extra):
+  return dict(layers=FLAGS.layers, width=FLAGS.width, hidden=FLAGS.hidden, rows=FLAGS.rows,
+              remat=FLAGS.remat, inter_op_threads=FLAGS.worker_inter_op_threads,
+              steps_per_call=FLAGS.steps_per_call, calls=FLAGS.calls, **extra)
+
+
+def _Table(baseline, pipelines):
+  def Speedup(p):
+    return baseline['step_s'] / p['step_s']
+
+  def Ideal(p):
+    return 2 * p['micro_batches'] / (p['micro_batches'] + 1)
+
+  return bench_utils.MarkdownTable(pipelines, [
+      ('M', lambda p: p['micro_batches']),
+      ('pipeline s/step', lambda p: f"{p['step_s']:.3f}"),
+      ('baseline s/step', lambda p: f"{baseline['step_s']:.3f}"),
+      ('pipeline ex/s', lambda p: f"{p['examples_per_s']:.0f}"),
+      ('baseline ex/s', lambda p: f"{baseline['examples_per_s']:.0f}"),
+      ('speed-up', lambda p: f'{Speedup(p):.2f}'),
+      ('ideal 2M/(M+1)', lambda p: f'{Ideal(p):.2f}'),
+      ('speed-up / ideal', lambda p: f'{Speedup(p) / Ideal(p):.2f}')])
+
+
+def main(argv):
+  del argv
+  if FLAGS.single:
+    config = json.loads(FLAGS.single)
+    results = _Baseline(config) if config['role'] == 'baseline' else _Pipelines(config)
+    print(json.dumps(results))
+    return
+  script = os.path.abspath(__file__)
+  load_before = bench_utils.Load()
+  # The baseline before and after the pipelines; the faster one counts.
+  baselines = bench_utils.RunIsolated(script, _Config(role='baseline'))
+  bench_utils.Progress(1, 3, f"baseline: {baselines[0]['step_s']:.3f} s/step")
+  with local_cluster.LocalCluster(2, cpus=[0, 1], intra_op_threads=1,
+                                  inter_op_threads=FLAGS.worker_inter_op_threads) as cluster:
+    pipelines = bench_utils.RunIsolated(script, _Config(
+        role='client', spec=cluster.spec, micro_batches=[int(m) for m in FLAGS.micro_batches]))
+  bench_utils.Progress(2, 3, 'pipelines: ' + ', '.join(
+      f"M={p['micro_batches']} {p['step_s']:.3f} s/step" for p in pipelines))
+  baselines += bench_utils.RunIsolated(script, _Config(role='baseline'))
+  bench_utils.Progress(3, 3, f"baseline: {baselines[1]['step_s']:.3f} s/step")
+  baseline = min(baselines, key=lambda r: r['step_s'])
+  results = dict(baseline=baseline, baselines=baselines, pipelines=pipelines,
+                 load_before=load_before, load_after=bench_utils.Load())
+  bench_utils.Emit(_Table(baseline, pipelines), results, FLAGS.json_out, notes=[
+      f'Load average (1, 5, 15 min) before {load_before}, after {results["load_after"]}.'])
+
+
+if __name__ == '__main__':
+  app.run(main)
