@@ -1,0 +1,155 @@
+r"""GPipe Table 1 on this machine: the largest Transformer that trains one step in a memory budget.
+
+Two ways to train on one device, as the paper's Naive-1 and Pipeline-1:
+  naive     the plain layer stack on the whole batch, no re-materialization;
+  pipeline  one pipeline stage (K=1) with M micro-batches and re-materialization.
+A step is forward, backward and an SGD update of every weight. Its memory is the
+allocator's peak during the step, weights included, and it fits when that is
+at most --budget_mb. For each width, the peak is measured at two depths, the
+largest depth under the budget follows from the straight line through them
+(memory grows linearly with depth), and that depth is run to check it fits.
+
+  python tools/capacity_benchmark.py                     # 256 MiB: a few minutes
+  # The issue's 2 GiB (about 10 minutes; wider layers keep the depth, and the
+  # tracing time that grows with it, down):
+  python tools/capacity_benchmark.py --budget_mb=2048 --widths=512 --rows=128 \
+      --micro_batches=64
+
+The batch is large next to the width on purpose: the paper's gain comes from
+activations, which grow with the batch, outweighing weights and gradients,
+which do not (a pipeline keeps the weights, the running gradient sum and one
+micro-batch's gradients).
+"""
+
+import json
+import math
+
+from absl import app
+from absl import flags
+import bench_utils
+
+FLAGS = flags.FLAGS
+flags.DEFINE_float('budget_mb', 256.0, 'Allocator budget of one training step, in MiB.')
+flags.DEFINE_list('widths', ['256'], 'Model widths d (hidden 4d, d/64 heads) to search.')
+flags.DEFINE_integer('rows', 64, 'Batch sequences N.')
+flags.DEFINE_integer('seq_len', 64, 'Sequence length.')
+flags.DEFINE_integer('micro_batches', 32, 'M of the pipeline.')
+flags.DEFINE_list('probe_layers', ['2', '4'], 'The two depths the line is fitted through.')
+flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
+flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
+
+MODES = ('naive', 'pipeline')
+
+
+def _RunOne(config):
+  """Peak allocator MiB (weights included) of the first training step of a configuration."""
+  tf = bench_utils.SetUpDevices(1)
+  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+  d = config['width']
+  layer = layers.TransformerLayer.Params().Set(input_dim=d, hidden_dim=4 * d,
+                                               num_heads=max(1, d // 64), mask_self_atten=True)
+  layer_params = [layer.Copy() for _ in range(config['layers'])]
+  shape = [config['rows'], config['seq_len'], d]
+  if config['mode'] == 'naive':
+    model = layers.SequentialLayer.Params().Set(name='naive', sub=layer_params).Instantiate()
+  else:
+    model = gpipe.PipeliningLayer.Params().Set(
+        name='pipeline', cell_tpl=gpipe.CellsFromEnds(layer_params, [len(layer_params)]),
+        num_micro_batches=config['micro_batches'], remat='always').Instantiate()
+  x = tf.random.stateless_normal(shape, [1, 2])
+  weights = model.trainable_variables
+
+  def Loss(y):
+    return tf.reduce_mean(tf.square(y))
+
+  @tf.function(autograph=False)
+  def TrainStep():
+    if config['mode'] == 'naive':
+      with tf.GradientTape() as tape:
+        loss = Loss(model(x))
+      grads = tape.gradient(loss, weights)
+    else:
+      loss, grads = model.ForwardBackward(model.theta, x, Loss)
+      by_ref = {g_var.ref(): g for g_var, g in zip(tf.nest.flatten(model.theta),
+                                                    tf.nest.flatten(grads))}
+      grads = [by_ref[v.ref()] for v in weights]
+    for v, g in zip(weights, grads):
+      v.assign_sub(0.01 * g)
+    return loss
+
+  tf.config.experimental.reset_memory_stats('CPU:0')
+  seconds = bench_utils.Seconds(lambda: TrainStep().numpy())
+  peak = tf.config.experimental.get_memory_info('CPU:0')['peak']
+  params = sum(int(tf.size(v)) for v in weights)
+  return dict(config, peak_mb=peak / 2**20, params=params, weights_mb=4 * params / 2**20,
+              step_s=seconds)
+
+
+class _Search:
+  """Runs configurations in fresh processes, numbering them for the progress lines."""
+
+  def __init__(self):
+    self.count = 0
+
+  def Run(self, **config):
+    self.count += 1
+    result = bench_utils.RunIsolated(__file__, config)
+    bench_utils.Progress(self.count, '?', f"{config['mode']} d={config['width']} "
+                         f"L={config['layers']}: peak {result['peak_mb']:.0f} MB, "
+                         f"{result['params'] / 1e6:.1f}M parameters, {result['step_s']:.1f} s")
+    return result
+
+  def Largest(self, mode, width):
+    """(the deepest run that fits, the fitted MiB per layer)."""
+    base = dict(mode=mode, width=width, rows=FLAGS.rows, seq_len=FLAGS.seq_len,
+                micro_batches=FLAGS.micro_batches)
+    (l0, r0), (l1, r1) = [(int(n), self.Run(layers=int(n), **base)) for n in FLAGS.probe_layers]
+    per_layer = (r1['peak_mb'] - r0['peak_mb']) / (l1 - l0)
+    fixed = r0['peak_mb'] - per_layer * l0
+    depth = max(1, math.floor((FLAGS.budget_mb - fixed) / per_layer))
+    while True:
+      result = self.Run(layers=depth, **base)
+      if result['peak_mb'] <= FLAGS.budget_mb or depth == 1:
+        return result, per_layer
+      depth = max(1, depth - math.ceil((result['peak_mb'] - FLAGS.budget_mb) / per_layer))
+
+
+def main(argv):
+  del argv
+  if FLAGS.single:
+    print(json.dumps(_RunOne(json.loads(FLAGS.single))))
+    return
+  load_before = bench_utils.Load()
+  search = _Search()
+  results = []
+  for width in map(int, FLAGS.widths):
+    for mode in MODES:
+      result, per_layer = search.Largest(mode, width)
+      results.append(dict(result, mb_per_layer=per_layer,
+                          fits=result['peak_mb'] <= FLAGS.budget_mb))
+  best = {mode: max((r for r in results if r['mode'] == mode and r['fits']),
+                    key=lambda r: r['params'], default=None) for mode in MODES}
+  table = bench_utils.MarkdownTable(results, [
+      ('mode', lambda r: r['mode']), ('width', lambda r: r['width']),
+      ('layers', lambda r: r['layers']),
+      ('parameters', lambda r: f"{r['params'] / 1e6:.1f}M"),
+      ('peak MB', lambda r: f"{r['peak_mb']:.0f}"),
+      ('weights MB', lambda r: f"{r['weights_mb']:.0f}"),
+      ('MB per layer', lambda r: f"{r['mb_per_layer']:.1f}"),
+      ('fits', lambda r: 'yes' if r['fits'] else 'no'),
+      ('first step s (with tracing)', lambda r: f"{r['step_s']:.1f}")])
+  notes = [f'Budget {FLAGS.budget_mb:.0f} MiB; batch {FLAGS.rows} x {FLAGS.seq_len} tokens; '
+           f'pipeline: K=1, M={FLAGS.micro_batches}, re-materialization; load average '
+           f'(1, 5, 15 min) before {load_before}, after {bench_utils.Load()}']
+  if best['naive'] and best['pipeline']:
+    ratio = best['pipeline']['params'] / best['naive']['params']
+    notes.append(f"Largest that fits: naive {best['naive']['params'] / 1e6:.1f}M, pipeline "
+                 f"{best['pipeline']['params'] / 1e6:.1f}M parameters: {ratio:.1f}x (GPipe's "
+                 'Table 1: 82M -> 318M, 3.9x).')
+  bench_utils.Emit(table, dict(budget_mb=FLAGS.budget_mb, results=results), FLAGS.json_out,
+                   notes)
+
+
+if __name__ == '__main__':
+  app.run(main)
