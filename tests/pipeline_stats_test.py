@@ -273,8 +273,9 @@ def testTrainerWritesPipelineStatisticsAndTrainsTheSame(tmp_path):
     spans = [e for e in json.load(f)['traceEvents'] if e['ph'] == 'X']
   assert sorted(e['name'] for e in spans) == sorted(
       ['F0', 'F1', 'R0', 'R1', 'B0', 'B1'] * 2)
-  checkpoints = [tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / name / 'train')))
-                 for name in ('plain', 'measured')]
+  checkpoints = [
+      tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / name / 'train')))
+      for name in ('plain', 'measured')]
   names = checkpoints[0].get_variable_to_shape_map()
   assert names == checkpoints[1].get_variable_to_shape_map()
   for name in names:

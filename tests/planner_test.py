@@ -160,7 +160,7 @@ def testStackProfilesGlueTheSoftmaxAndTheTrainerTakesThePlan(tmp_path):
   profiles, glued = planner.StackProfiles(p, batch_size=2, repeats=1)
   assert [q.name for q in profiles] == ['tgt_emb', 'dec0', 'dec1', 'dec2', 'softmax']
   assert glued == [4]
-  plan = planner.MakePlan(profiles, 3, 2, glued=glued, source='lm.synthetic.GPipeTransformerLmTiny')
+  plan = planner.MakePlan(profiles, 3, 2, glued=glued, source='test')
   assert plan.ends[-1] == 5 and plan.ends[-2] <= 3
   path = str(tmp_path / 'plan.json')
   # The registered tiny LM has 2 decoder layers: a plan of this stack's layers does not fit.

@@ -61,7 +61,8 @@ def testFillDrainMakespanIsTheFlowShopClosedForm():
 
 def testHandComputedTimelineWithTransfers():
   # K=2, M=2 fill-drain, F=1, B=2, hand-over 0.5 between the stages:
-  # stage 0: F0 0-1, F1 1-2, B1 6-8, B0 8-10; stage 1: F0 1.5-2.5, F1 2.5-3.5, B1 3.5-5.5, B0 5.5-7.5.
+  # stage 0: F0 0-1, F1 1-2, B1 6-8, B0 8-10;
+  # stage 1: F0 1.5-2.5, F1 2.5-3.5, B1 3.5-5.5, B0 5.5-7.5.
   got = simulator.Simulate(simulator.Orders('gpipe', 2, 2), 1.0, 2.0, transfer_cost=0.5)
   np.testing.assert_allclose(got.start[0], [[0, 1], [1.5, 2.5]])
   np.testing.assert_allclose(got.start[1], [[8, 6], [5.5, 3.5]])
