@@ -273,9 +273,16 @@ def LoadPlan(path):
 # -- applying a plan -------------------------------------------------------------------
 
 
-def _IsPipeline(params):
-  return (isinstance(params, hyperparams.InstantiableParams) and isinstance(params.cls, type)
-          and issubclass(params.cls, gpipe.PipeliningLayer))
+def PipelineParams(params):
+  """The PipeliningLayer params within the params tree `params`, outermost first."""
+  if (isinstance(params, hyperparams.InstantiableParams) and isinstance(params.cls, type)
+      and issubclass(params.cls, gpipe.PipeliningLayer)):
+    yield params
+    return
+  for _, value in params.IterParams():
+    for child in value if isinstance(value, (list, tuple)) else [value]:
+      if isinstance(child, hyperparams.Params):
+        yield from PipelineParams(child)
 
 
 def _CheckNames(where, names, plan):
@@ -291,26 +298,19 @@ def ApplyPlan(params, plan):
   whose cells are FeatureExtractionLayers is re-cut from their layers. The layer
   names must be the plan's. Returns the number of pipelines cut.
   """
-  count = 0
-  if _IsPipeline(params):
-    if 'splits' in params:
-      names = [p.name for p in params.cls.LayerParams(params)]
-      _CheckNames(params.name, names, plan)
-      params.splits = list(plan.ends)
+  pipelines = list(PipelineParams(params))
+  for p in pipelines:
+    if 'splits' in p:
+      _CheckNames(p.name, [q.name for q in p.cls.LayerParams(p)], plan)
+      p.splits = list(plan.ends)
     else:
-      cells = params.cell_tpl
-      if not all(issubclass(c.cls, gpipe.FeatureExtractionLayer) for c in cells):
-        raise ValueError(f'{params.name}: cannot re-cut cells that are not '
+      if not all(issubclass(c.cls, gpipe.FeatureExtractionLayer) for c in p.cell_tpl):
+        raise ValueError(f'{p.name}: cannot re-cut cells that are not '
                          'FeatureExtractionLayers.')
-      sub = [p for c in cells for p in c.sub]
-      _CheckNames(params.name, [p.name for p in sub], plan)
-      params.cell_tpl = gpipe.CellsFromEnds(sub, plan.ends)
-    return 1
-  for _, value in params.IterParams():
-    for child in value if isinstance(value, (list, tuple)) else [value]:
-      if isinstance(child, hyperparams.Params):
-        count += ApplyPlan(child, plan)
-  return count
+      sub = [q for c in p.cell_tpl for q in c.sub]
+      _CheckNames(p.name, [q.name for q in sub], plan)
+      p.cell_tpl = gpipe.CellsFromEnds(sub, plan.ends)
+  return len(pipelines)
 
 
 # -- profiling (TensorFlow) --------------------------------------------------------------

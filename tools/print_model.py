@@ -1,0 +1,184 @@
+r"""Inspects a model: its params as text, its pipeline stages, their layers, sizes and FLOPs.
+
+For every PipeliningLayer of the model it prints the layers (class, parameters,
+forward FLOPs of a step from FPropMeta, output bytes per micro-batch) and the
+stages they form, with each stage's parameters, FLOPs and estimated memory per
+device: weights, gradients and optimizer slots, plus the activations kept by the
+schedule, estimated from the layers' output sizes (the balance planner's memory
+model, with outputs standing in for the activations it measures). The bubble
+is the simulator's with stage costs proportional to FLOPs.
+
+  python tools/print_model.py --model=lm.synthetic.GPipeTransformerLmBig
+  python tools/print_model.py --model=mlp --stages=4 --noshow_params
+  python tools/print_model.py --model=lm.synthetic.GPipeTransformerLmBig \
+      --balance_file=/tmp/plan.json
+"""
+
+import json
+import sys
+
+from absl import app
+from absl import flags
+import bench_utils
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('model', 'lm.synthetic.GPipeTransformerLmBig',
+                    "A registry key, or 'mlp' / 'transformer' for a built-in stack.")
+flags.DEFINE_string('model_params_override', '', "Params text 'a.b : value; ...' to apply.")
+flags.DEFINE_string('balance_file', '', 'A balance plan to cut the pipelines by.')
+flags.DEFINE_boolean('show_params', True, 'Print the model params as text.')
+flags.DEFINE_integer('optimizer_slots', 2, 'Optimizer tensors per weight (Adam 2, SGD 0).')
+flags.DEFINE_integer('stages', 4, 'Built-in stacks: K.')
+flags.DEFINE_integer('micro_batches', 8, 'Built-in stacks: M.')
+flags.DEFINE_integer('layers', 8, 'Built-in stacks: layers.')
+flags.DEFINE_integer('width', 256, 'Built-in stacks: width.')
+flags.DEFINE_integer('hidden', 1024, 'Built-in stacks: feed-forward hidden width.')
+flags.DEFINE_integer('rows', 64, 'Built-in stacks: batch rows (sequences for the Transformer).')
+flags.DEFINE_integer('seq_len', 64, 'Built-in Transformer: sequence length.')
+flags.DEFINE_string('json_out', None, 'Also write the stages JSON to this file.')
+
+
+def _BuiltIn(tf):
+  """(params text, pipeline params, batch spec) of a built-in stack."""
+  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+  if FLAGS.model == 'mlp':
+    layer = layers.TransformerFeedForwardLayer.Params().Set(input_dim=FLAGS.width,
+                                                            hidden_dim=FLAGS.hidden)
+    shape = [FLAGS.rows, FLAGS.width]
+  else:
+    layer = layers.TransformerLayer.Params().Set(
+        input_dim=FLAGS.width, hidden_dim=FLAGS.hidden, num_heads=max(1, FLAGS.width // 64),
+        mask_self_atten=True)
+    shape = [FLAGS.rows, FLAGS.seq_len, FLAGS.width]
+  cells = gpipe.PartitionSequentialLayers([layer.Copy() for _ in range(FLAGS.layers)],
+                                          FLAGS.stages, tf.TensorShape(shape))
+  pipe = gpipe.PipeliningLayer.Params().Set(name=FLAGS.model, cell_tpl=cells,
+                                            num_micro_batches=FLAGS.micro_batches)
+  return pipe, tf.TensorSpec(shape)
+
+
+def _Registered():
+  """(model params, their pipelines) of a registry key with overrides and a balance plan."""
+  from lingvo_gpipe import base_runner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
+  try:
+    params = base_runner.LoadModelParams(FLAGS.model, 'Train', FLAGS.model_params_override)
+    if FLAGS.balance_file:
+      planner.ApplyPlan(params.task, planner.LoadPlan(FLAGS.balance_file))
+  except (base_runner.UserError, ValueError) as e:
+    sys.exit(f'print_model: error: {e}')
+  return params, list(planner.PipelineParams(params.task))
+
+
+def _WithBatch(tf, spec, batch):
+  if isinstance(spec, dict):
+    return type(spec)({k: _WithBatch(tf, v, batch) for k, v in spec.items()})
+  return tf.TensorSpec([batch] + list(spec.shape)[1:], spec.dtype)
+
+
+def _Bytes(tf, specs):
+  return int(sum(s.shape.num_elements() * s.dtype.size for s in tf.nest.flatten(specs)))
+
+
+def _LayersAndEnds(pipe):
+  """(layer params, stage ends) of a pipeline: a GPipe stack's, or its cells' sub-layers."""
+  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  if 'splits' in pipe:
+    layer_params = pipe.cls.LayerParams(pipe)
+    return layer_params, pipe.cls.StageEnds(pipe, layer_params)
+  cells = pipe.cell_tpl
+  if not all(issubclass(c.cls, gpipe.FeatureExtractionLayer) for c in cells):
+    return [], []
+  sizes = [len(c.sub) for c in cells]
+  return [p for c in cells for p in c.sub], [sum(sizes[:k + 1]) for k in range(len(sizes))]
+
+
+def Inspect(tf, pipe, spec, batch_size, source):
+  """Layer rows, stage rows and the planner.Plan of one pipeline (see the module docstring)."""
+  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
+  layer_params, ends = _LayersAndEnds(pipe)
+  num_micro = pipe.num_micro_batches if pipe.micro_batch_size is None else (
+      batch_size // pipe.micro_batch_size)
+  micro = batch_size // (num_micro * pipe.num_replicas)
+  params = gpipe.LayerCosts(layer_params, None, cost='params')
+  shapes = (_WithBatch(tf, spec, micro),)
+  rows, profiles = [], []
+  for p, count in zip(layer_params, params):
+    meta = p.cls.FPropMeta(p, *shapes) if p.cls.HasFPropMeta() else None
+    flops = meta.flops * num_micro if meta else None
+    out = tuple(meta.out_shapes) if meta else shapes
+    rows.append(dict(name=p.name, cls=p.cls.__name__, params=int(count), gflops=(
+        flops / 1e9 if flops is not None else None), output_bytes=_Bytes(tf, out)))
+    profiles.append(planner.LayerProfile(
+        name=p.name, forward_s=float(flops or 0), backward_s=2.0 * float(flops or 0),
+        param_bytes=4 * int(count), input_bytes=_Bytes(tf, shapes),
+        activation_bytes=_Bytes(tf, out)))
+    shapes = out
+  plan = planner.Plan(source=source, layers=profiles, ends=list(ends),
+                      num_micro_batches=num_micro, schedule=pipe.schedule, remat=pipe.remat,
+                      optimizer_slots=FLAGS.optimizer_slots)
+  return rows, plan
+
+
+def _StageRows(plan, layer_rows):
+  stages = []
+  for k, (stage, (j, i)) in enumerate(zip(plan.Stages(), zip([0] + plan.ends[:-1], plan.ends))):
+    flops = [r['gflops'] for r in layer_rows[j:i]]
+    stages.append(dict(stage=k, layers=stage['layers'],
+                       params=sum(r['params'] for r in layer_rows[j:i]),
+                       gflops=None if None in flops else sum(flops),
+                       memory_mb=stage['memory_bytes'] / 2**20))
+  return stages
+
+
+def _Print(name, plan, layer_rows, stage_rows):
+  print(f'\n## {name}: K={plan.num_stages}, M={plan.num_micro_batches}, {plan.schedule}, remat '
+        f'{plan.remat}\n')
+  print(bench_utils.MarkdownTable(layer_rows, [
+      ('layer', lambda r: r['name']), ('class', lambda r: r['cls']),
+      ('parameters', lambda r: f"{r['params']:,}"),
+      ('forward GFLOPs/step', lambda r: '-' if r['gflops'] is None else f"{r['gflops']:.3f}"),
+      ('output KB/micro-batch', lambda r: f"{r['output_bytes'] / 1024:.1f}")]))
+  print()
+  print(bench_utils.MarkdownTable(stage_rows, [
+      ('stage', lambda r: r['stage']), ('layers', lambda r: ', '.join(r['layers'])),
+      ('parameters', lambda r: f"{r['params']:,}"),
+      ('forward GFLOPs/step', lambda r: '-' if r['gflops'] is None else f"{r['gflops']:.3f}"),
+      ('est. memory MB', lambda r: f"{r['memory_mb']:.1f}")]))
+  if all(r['gflops'] is not None for r in stage_rows):
+    print(f'\nBubble with FLOP-proportional stage costs: {plan.Predict().bubble_fraction:.3f}')
+
+
+def main(argv):
+  del argv
+  tf = bench_utils.SetUpDevices(1)
+  if FLAGS.model in ('mlp', 'transformer'):
+    pipe, spec = _BuiltIn(tf)
+    pipelines, batch_size, text = [pipe], spec.shape[0], pipe.ToText()
+    specs = [spec]
+  else:
+    params, pipelines = _Registered()
+    batch_size, text = params.input.batch_size, params.ToText()
+    specs = [p.cls.InputSpec(p) if hasattr(p.cls, 'InputSpec') else None for p in pipelines]
+  if FLAGS.show_params:
+    print(text)
+  summary = []
+  for pipe, spec in zip(pipelines, specs):
+    layer_rows, plan = Inspect(tf, pipe, spec, batch_size, FLAGS.model) if spec else ([], None)
+    if not layer_rows:
+      print(f'\n## {pipe.name}: no per-layer view (its input spec is unknown, or its cells '
+            'are not FeatureExtractionLayers).')
+      continue
+    stage_rows = _StageRows(plan, layer_rows)
+    _Print(pipe.name, plan, layer_rows, stage_rows)
+    summary.append(dict(pipeline=pipe.name, layers=layer_rows, stages=stage_rows))
+  print(json.dumps(summary, indent=1))
+  if FLAGS.json_out:
+    with open(FLAGS.json_out, 'w') as f:
+      json.dump(summary, f, indent=1)
+
+
+if __name__ == '__main__':
+  app.run(main)
