@@ -78,7 +78,10 @@ def _WithBatch(tf, spec, batch):
 
 
 def _Bytes(tf, specs):
-  return int(sum(s.shape.num_elements() * s.dtype.size for s in tf.nest.flatten(specs)))
+  """Bytes of TensorSpecs, or of TensorShapes (float32), in a structure."""
+  leaves = tf.nest.flatten(specs, expand_composites=False)
+  return int(sum(tf.TensorShape(getattr(s, 'shape', s)).num_elements() *
+                 (s.dtype.size if hasattr(s, 'dtype') else 4) for s in leaves))
 
 
 def _LayersAndEnds(pipe):
