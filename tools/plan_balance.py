@@ -1,0 +1,124 @@
+r"""Plans a model's pipeline split from measured layer costs, under a memory cap per device.
+
+Profiles each layer once at the micro-batch size (forward and backward time,
+parameter, input and activation bytes; lingvo_gpipe.core.planner), finds the
+contiguous split into K stages minimising the slowest stage among those whose
+every device fits --memory_cap_mb, saves it as a JSON plan and compares it,
+through the simulator, with the model's own split (FLOP-balanced).
+
+  python tools/plan_balance.py --model=lm.synthetic.GPipeTransformerLmBig \
+      --out=/tmp/big.plan.json
+  python -m lingvo_gpipe.trainer --model=lm.synthetic.GPipeTransformerLmBig \
+      --balance_file=/tmp/big.plan.json --logdir=/tmp/big
+  python tools/plan_balance.py --model=mlp --stages=2 --memory_cap_mb=64
+"""
+
+import dataclasses
+import os
+import sys
+import tempfile
+
+from absl import app
+from absl import flags
+import bench_utils
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('model', 'lm.synthetic.GPipeTransformerLmBig',
+                    "A registry key (its task's GPipe stack), or 'mlp' / 'transformer'.")
+flags.DEFINE_integer('stages', None, 'K; default the model\'s.')
+flags.DEFINE_integer('micro_batches', None, 'M; default the model\'s.')
+flags.DEFINE_enum('schedule', None, ['gpipe', '1f1b'], 'Schedule; default the model\'s.')
+flags.DEFINE_enum('remat', None, ['always', 'except_last', 'never'],
+                  'Re-materialization; default the model\'s.')
+flags.DEFINE_float('memory_cap_mb', None, 'Per-device memory cap in MiB; default none.')
+flags.DEFINE_integer('optimizer_slots', 2, 'Optimizer tensors per weight (Adam 2, SGD 0).')
+flags.DEFINE_integer('repeats', 3, 'Timed runs per layer (median).')
+flags.DEFINE_integer('layers', 8, 'Built-in stacks: layers.')
+flags.DEFINE_integer('width', 256, 'Built-in stacks: width.')
+flags.DEFINE_integer('hidden', 1024, 'Built-in stacks: feed-forward hidden width.')
+flags.DEFINE_integer('rows', 64, 'Built-in stacks: batch rows (sequences for the Transformer).')
+flags.DEFINE_integer('seq_len', 64, 'Built-in Transformer: sequence length.')
+flags.DEFINE_string('out', os.path.join(tempfile.gettempdir(), 'balance_plan.json'),
+                    'Where the plan goes.')
+
+
+def _Profile(tf):
+  """(profiles, glued layers, the model's own ends, K, M, schedule, remat)."""
+  from lingvo_gpipe import model_registry  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import partition  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
+
+  def Progress(i, n, profile):
+    bench_utils.Progress(i + 1, n, f'{profile.name}: forward {profile.forward_s * 1e3:.1f} ms, '
+                         f'backward {profile.backward_s * 1e3:.1f} ms, '
+                         f'{profile.activation_bytes / 2**20:.1f} MB activations')
+
+  if FLAGS.model in ('mlp', 'transformer'):
+    if FLAGS.model == 'mlp':
+      layer = layers.TransformerFeedForwardLayer.Params().Set(input_dim=FLAGS.width,
+                                                              hidden_dim=FLAGS.hidden)
+      shape = [FLAGS.rows, FLAGS.width]
+    else:
+      layer = layers.TransformerLayer.Params().Set(
+          input_dim=FLAGS.width, hidden_dim=FLAGS.hidden,
+          num_heads=max(1, FLAGS.width // 64), mask_self_atten=True)
+      shape = [FLAGS.rows, FLAGS.seq_len, FLAGS.width]
+    layer_params = [layer.Copy().Set(name=f'layer{i}') for i in range(FLAGS.layers)]
+    k, m = FLAGS.stages or 4, FLAGS.micro_batches or 8
+    own = partition.Balance(gpipe.LayerCosts(layer_params, tf.TensorShape(shape), 'flops'), k)
+    profiles = planner.ProfileLayers(layer_params, tf.TensorSpec(shape), shape[0] // m,
+                                     FLAGS.repeats, progress=Progress)
+    return profiles, [], own, k, m, FLAGS.schedule or 'gpipe', FLAGS.remat or 'always'
+  params = model_registry.GetParams(FLAGS.model, 'Train')
+  stack, batch = params.task.stack, params.input.batch_size
+  stack.splits = FLAGS.stages or stack.splits
+  k = stack.splits if isinstance(stack.splits, int) else len(stack.splits)
+  m = FLAGS.micro_batches or stack.num_micro_batches
+  stack.num_micro_batches = m
+  own = stack.cls.StageEnds(stack, stack.cls.LayerParams(stack))
+  profiles, glued = planner.StackProfiles(stack, batch // m, FLAGS.repeats, progress=Progress)
+  return (profiles, glued, own, k, m, FLAGS.schedule or stack.schedule,
+          FLAGS.remat or stack.remat)
+
+
+def main(argv):
+  del argv
+  tf = bench_utils.SetUpDevices(1)
+  from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
+  load_before = bench_utils.Load()
+  profiles, glued, own_ends, k, m, schedule, remat = _Profile(tf)
+  cap = None if FLAGS.memory_cap_mb is None else FLAGS.memory_cap_mb * 2**20
+  try:
+    plan = planner.MakePlan(profiles, k, m, schedule=schedule, remat=remat,
+                            memory_cap_bytes=cap, optimizer_slots=FLAGS.optimizer_slots,
+                            glued=glued, source=FLAGS.model)
+  except ValueError as e:
+    sys.exit(f'plan_balance: error: {e}')
+  plan.Save(FLAGS.out)
+  own = dataclasses.replace(plan, ends=list(own_ends))
+  rows = []
+  for name, p in (("the model's split", own), ('planned', plan)):
+    prediction = p.Predict()
+    for k_, stage in enumerate(p.Stages()):
+      rows.append(dict(split=name, stage=k_, layers=', '.join(stage['layers']),
+                       forward_ms=stage['forward_s'] * 1e3, backward_ms=stage['backward_s'] * 1e3,
+                       memory_mb=stage['memory_bytes'] / 2**20,
+                       step_ms=prediction.step_time * 1e3, bubble=prediction.bubble_fraction))
+  table = bench_utils.MarkdownTable(rows, [
+      ('split', lambda r: r['split']), ('stage', lambda r: r['stage']),
+      ('layers', lambda r: r['layers']), ('forward ms', lambda r: f"{r['forward_ms']:.1f}"),
+      ('backward ms (with recompute)', lambda r: f"{r['backward_ms']:.1f}"),
+      ('memory MB', lambda r: f"{r['memory_mb']:.1f}"),
+      ('predicted step ms', lambda r: f"{r['step_ms']:.1f}"),
+      ('predicted bubble', lambda r: f"{r['bubble']:.3f}")])
+  notes = [f'{FLAGS.model}: K={k}, M={m}, {schedule}, remat {remat}, cap '
+           f"{'none' if cap is None else f'{FLAGS.memory_cap_mb:g} MiB'}; plan ends "
+           f'{plan.ends} (the model\'s: {list(own_ends)}); saved to {FLAGS.out}; load average '
+           f'(1, 5, 15 min) before {load_before}, after {bench_utils.Load()}']
+  bench_utils.Emit(table, plan.ToJson(), None, notes)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,87 @@
+r"""Predicts pipelined steps beyond this machine with the schedule simulator.
+
+Stage costs are uniform (--forward_ms, --backward_ms) or a balance plan's
+measured stage costs (--plan, tools/plan_balance.py), optionally scaled to
+other hardware (--speedup); --transfer_ms adds a hand-over per stage boundary.
+For each schedule and (K, M) it prints the predicted step time, bubble (and
+the unit-cost theory), micro-batches in flight and peak activation memory per
+device, and the seconds the simulation took (numpy; K=1024, M=8192 in seconds).
+
+  python tools/simulate_schedule.py --stages=1024 --micro_batches=8192
+  python tools/simulate_schedule.py --plan=/tmp/balance_plan.json --micro_batches=4,16,64 \
+      --trace_out=/tmp/sim_trace.json
+"""
+
+import time
+
+from absl import app
+from absl import flags
+import bench_utils
+from lingvo_gpipe.core import pipeline_stats
+from lingvo_gpipe.core import planner
+from lingvo_gpipe.core import schedule as schedule_lib
+from lingvo_gpipe.core import simulator
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list('stages', ['4', '64', '1024'], 'K values (ignored with --plan).')
+flags.DEFINE_list('micro_batches', ['16', '512', '8192'], 'M values.')
+flags.DEFINE_list('schedules', list(schedule_lib.SCHEDULE_NAMES), 'Schedules.')
+flags.DEFINE_float('forward_ms', 1.0, 'Forward time of a micro-batch per stage.')
+flags.DEFINE_float('backward_ms', 2.0, 'Backward time (with any recompute) per stage.')
+flags.DEFINE_string('plan', None, 'A balance plan whose stage costs replace the uniform ones.')
+flags.DEFINE_float('speedup', 1.0, 'Divide the plan\'s times by this (other hardware).')
+flags.DEFINE_float('transfer_ms', 0.0, 'Hand-over time per stage boundary.')
+flags.DEFINE_float('activation_mb', 1.0,
+                   'MiB a stage keeps per micro-batch in flight (ignored with --plan: its '
+                   'stage inputs).')
+flags.DEFINE_string('trace_out', None, 'Chrome trace of the first (smallest) prediction.')
+flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
+
+
+def _Cases():
+  """(K, M, forward ms per stage, backward ms per stage, MiB kept per micro-batch)."""
+  ms = [int(m) for m in FLAGS.micro_batches]
+  if FLAGS.plan:
+    plan = planner.LoadPlan(FLAGS.plan)
+    forward, backward = plan.StageCosts()
+    kept = [plan.layers[j].input_bytes / 2**20 for j in [0] + plan.ends[:-1]]
+    return [(plan.num_stages, m, [f * 1e3 / FLAGS.speedup for f in forward],
+             [b * 1e3 / FLAGS.speedup for b in backward], kept) for m in ms]
+  return [(int(k), m, FLAGS.forward_ms, FLAGS.backward_ms, FLAGS.activation_mb)
+          for k in FLAGS.stages for m in ms]
+
+
+def main(argv):
+  del argv
+  cases = [(name,) + case for name in FLAGS.schedules for case in _Cases()]
+  results = []
+  for i, (name, k, m, forward, backward, kept) in enumerate(cases, 1):
+    start = time.perf_counter()
+    prediction = simulator.Simulate(simulator.Orders(name, k, m), forward, backward,
+                                    transfer_cost=FLAGS.transfer_ms, activation_bytes=kept)
+    seconds = time.perf_counter() - start
+    results.append(dict(schedule=name, stages=k, micro_batches=m,
+                        step_ms=prediction.step_time, bubble=prediction.bubble_fraction,
+                        theory=schedule_lib.TheoreticalBubble(k, m),
+                        max_in_flight=int(prediction.max_in_flight.max()),
+                        peak_activation_mb=float(prediction.peak_activation_bytes.max()),
+                        simulate_s=seconds))
+    bench_utils.Progress(i, len(cases), f'{name} K={k} M={m}: bubble '
+                         f'{prediction.bubble_fraction:.4f} in {seconds:.2f} s')
+    if FLAGS.trace_out and i == 1:
+      pipeline_stats.WriteChromeTrace(FLAGS.trace_out,
+                                      pipeline_stats.Timeline.FromPrediction(prediction))
+  table = bench_utils.MarkdownTable(results, [
+      ('schedule', lambda r: r['schedule']), ('K', lambda r: r['stages']),
+      ('M', lambda r: r['micro_batches']), ('step ms', lambda r: f"{r['step_ms']:.1f}"),
+      ('bubble', lambda r: f"{r['bubble']:.4f}"),
+      ('(K-1)/(M+K-1)', lambda r: f"{r['theory']:.4f}"),
+      ('max in flight', lambda r: r['max_in_flight']),
+      ('peak activation MB/device', lambda r: f"{r['peak_activation_mb']:.1f}"),
+      ('orders + simulation s', lambda r: f"{r['simulate_s']:.2f}")])
+  notes = [f'Load average (1, 5, 15 min): {bench_utils.Load()}']
+  bench_utils.Emit(table, results, FLAGS.json_out, notes)
+
+
+if __name__ == '__main__':
+  app.run(main)
