@@ -225,6 +225,20 @@ def testWorkerOnAPortInUseIsAOneLineError():
       f'trainer: error: Cannot start worker task 0 at localhost:{port}: port {port} is in use.']
 
 
+def testLocalClusterToolPrintsTheSpecAndStopsItsWorkersOnSigterm():
+  tool = subprocess.Popen([sys.executable, os.path.join(_ROOT, 'tools', 'local_cluster.py'),
+                           '--num_workers=1'], env=_Env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    spec = cluster_lib.ParseClusterSpec(tool.stdout.readline().strip())
+    assert not cluster_lib.UnansweredWorkers(spec['worker'], 5.0)
+    tool.send_signal(signal.SIGTERM)
+    assert _Finish(tool, timeout=60)[0] == 128 + signal.SIGTERM
+    assert 'cannot be reached' in cluster_lib.UnansweredWorkers(spec['worker'], 5.0)[0]
+  finally:
+    tool.kill()
+
+
 # -- pipelines on workers ----------------------------------------------------------------
 
 

@@ -1,10 +1,14 @@
-"""Test set-up: quiet TensorFlow and four logical CPU devices for pipelines."""
+"""Test set-up: quiet TensorFlow, allocator statistics, four logical CPU devices for pipelines."""
 
 import os
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
+
+memory_stats.EnableStats()
 
 NUM_TEST_DEVICES = 4
 

@@ -9,6 +9,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers
+from lingvo_gpipe.core import memory_stats
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import schedule
 
@@ -534,10 +535,7 @@ MEM_ROWS, MEM_DIM, MEM_HIDDEN, MEM_LAYERS = 2048, 128, 512, 8
 def _PeakBytes(step):
   """Peak allocator bytes above the live set while `step` runs (traced beforehand)."""
   tf.nest.map_structure(lambda t: t.numpy(), step())
-  tf.config.experimental.reset_memory_stats('CPU:0')
-  before = tf.config.experimental.get_memory_info('CPU:0')['current']
-  tf.nest.map_structure(lambda t: t.numpy(), step())
-  return tf.config.experimental.get_memory_info('CPU:0')['peak'] - before
+  return memory_stats.PeakBytes(lambda: tf.nest.map_structure(lambda t: t.numpy(), step()))[1]
 
 
 def _MemLayers():

@@ -47,6 +47,8 @@ def SetUpDevices(num_devices, intra_op_threads=0, inter_op_threads=0):
   """num_devices logical CPU devices and thread pools (0: TensorFlow's default); returns tf."""
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
+  memory_stats.EnableStats()
   tf.config.set_visible_devices([], 'GPU')
   cpus = tf.config.list_physical_devices('CPU')
   tf.config.set_logical_device_configuration(
@@ -176,14 +178,6 @@ def Seconds(fn):
 
 def MedianSeconds(fn, repeats):
   return statistics.median(Seconds(fn) for _ in range(repeats))
-
-
-def PeakBytes(tf, fn):
-  """Allocator peak (all logical CPU devices share it) of fn() above the live bytes before."""
-  tf.config.experimental.reset_memory_stats('CPU:0')
-  live = tf.config.experimental.get_memory_info('CPU:0')['current']
-  fn()
-  return tf.config.experimental.get_memory_info('CPU:0')['peak'] - live
 
 
 def MeasureBubble(step, repeats):

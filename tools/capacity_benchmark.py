@@ -35,6 +35,7 @@ flags.DEFINE_integer('rows', 64, 'Batch sequences N.')
 flags.DEFINE_integer('seq_len', 64, 'Sequence length.')
 flags.DEFINE_integer('micro_batches', 32, 'M of the pipeline.')
 flags.DEFINE_list('probe_layers', ['2', '4'], 'The two depths the line is fitted through.')
+flags.DEFINE_integer('max_layers', 1000, 'Deepest model tried (caps a quick run).')
 flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
 
@@ -101,18 +102,37 @@ class _Search:
     return result
 
   def Largest(self, mode, width):
-    """(the deepest run that fits, the fitted MiB per layer)."""
+    """(the deepest run that fits, the fitted MiB per layer).
+
+    The line through the probes predicts the depth; if that run does not fit,
+    bisection between the deepest fitting and the shallowest failing depth.
+    """
     base = dict(mode=mode, width=width, rows=FLAGS.rows, seq_len=FLAGS.seq_len,
                 micro_batches=FLAGS.micro_batches)
-    (l0, r0), (l1, r1) = [(int(n), self.Run(layers=int(n), **base)) for n in FLAGS.probe_layers]
-    per_layer = (r1['peak_mb'] - r0['peak_mb']) / (l1 - l0)
-    fixed = r0['peak_mb'] - per_layer * l0
-    depth = max(1, math.floor((FLAGS.budget_mb - fixed) / per_layer))
-    while True:
-      result = self.Run(layers=depth, **base)
-      if result['peak_mb'] <= FLAGS.budget_mb or depth == 1:
-        return result, per_layer
-      depth = max(1, depth - math.ceil((result['peak_mb'] - FLAGS.budget_mb) / per_layer))
+    runs = {}
+
+    def Fits(depth):
+      if depth not in runs:
+        runs[depth] = self.Run(layers=depth, **base)
+      return runs[depth]['peak_mb'] <= FLAGS.budget_mb
+
+    l0, l1 = map(int, FLAGS.probe_layers)
+    fitting = [d for d in (l0, l1) if Fits(d)]
+    per_layer = (runs[l1]['peak_mb'] - runs[l0]['peak_mb']) / (l1 - l0)
+    if per_layer <= 0:
+      raise SystemExit(f'capacity_benchmark: error: {mode} d={width}: the peak did not grow from '
+                       f"{l0} to {l1} layers ({runs[l0]['peak_mb']:.2f} -> "
+                       f"{runs[l1]['peak_mb']:.2f} MB); the model is too small for the "
+                       'allocator statistics: raise --rows or --widths.')
+    low, high = max(fitting, default=0), None
+    fixed = runs[l0]['peak_mb'] - per_layer * l0
+    depth = min(max(1, math.floor((FLAGS.budget_mb - fixed) / per_layer)), FLAGS.max_layers)
+    if depth > low:
+      low, high = (depth, None) if Fits(depth) else (low, depth)
+    while high is not None and high - low > 1:
+      middle = (low + high) // 2
+      low, high = (middle, high) if Fits(middle) else (low, middle)
+    return runs[low or min(runs)], per_layer
 
 
 def main(argv):
@@ -127,7 +147,8 @@ def main(argv):
     for mode in MODES:
       result, per_layer = search.Largest(mode, width)
       results.append(dict(result, mb_per_layer=per_layer,
-                          fits=result['peak_mb'] <= FLAGS.budget_mb))
+                          fits=result['peak_mb'] <= FLAGS.budget_mb,
+                          capped=result['layers'] >= FLAGS.max_layers))
   best = {mode: max((r for r in results if r['mode'] == mode and r['fits']),
                     key=lambda r: r['params'], default=None) for mode in MODES}
   table = bench_utils.MarkdownTable(results, [
@@ -137,7 +158,8 @@ def main(argv):
       ('peak MB', lambda r: f"{r['peak_mb']:.0f}"),
       ('weights MB', lambda r: f"{r['weights_mb']:.0f}"),
       ('MB per layer', lambda r: f"{r['mb_per_layer']:.1f}"),
-      ('fits', lambda r: 'yes' if r['fits'] else 'no'),
+      ('fits', lambda r: ('yes, at --max_layers' if r['capped'] else 'yes') if r['fits']
+       else 'no'),
       ('first step s (with tracing)', lambda r: f"{r['step_s']:.1f}")])
   notes = [f'Budget {FLAGS.budget_mb:.0f} MiB; batch {FLAGS.rows} x {FLAGS.seq_len} tokens; '
            f'pipeline: K=1, M={FLAGS.micro_batches}, re-materialization; load average '

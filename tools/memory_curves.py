@@ -45,9 +45,10 @@ flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and 
 
 def _RunOne(config):
   tf = bench_utils.SetUpDevices(config['stages'], inter_op_threads=config['inter_op_threads'])
+  from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
   step = bench_utils.BuildStep(tf, config)
   step.run()  # Trace and warm up.
-  peak = max(bench_utils.PeakBytes(tf, step.run) for _ in range(config['steps']))
+  peak = max(memory_stats.PeakBytes(step.run)[1] for _ in range(config['steps']))
   return dict(config, peak_mb=peak / 2**20, params=step.params)
 
 

@@ -71,24 +71,29 @@ def _Grid():
 def _RunOne(config):
   """Builds the stack and times it; runs in a fresh process."""
   tf = bench_utils.SetUpDevices(config['stages'])
+  from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
   step = bench_utils.BuildStep(tf, config)
   trace_s = bench_utils.Seconds(step.run)
   times = []
-  peak = bench_utils.PeakBytes(
-      tf, lambda: times.extend(bench_utils.Seconds(step.run) for _ in range(config['steps'])))
+  _, peak = memory_stats.PeakBytes(
+      lambda: times.extend(bench_utils.Seconds(step.run) for _ in range(config['steps'])))
   return dict(config, peak_mb=peak / 2**20, step_s=statistics.median(times), trace_s=trace_s,
               params=step.params)
 
 
 def _Table(results):
   plain = results[0]
+
+  def Ratio(key):
+    return lambda r: f'{r[key] / plain[key]:.3f}' if plain[key] else '-'
+
   return bench_utils.MarkdownTable(results, [
       ('K', lambda r: 'plain' if r['stages'] == 0 else r['stages']),
       ('M', lambda r: r['micro_batches']), ('remat', lambda r: r['remat']),
       ('schedule', lambda r: r['schedule']), ('peak MB', lambda r: f"{r['peak_mb']:.1f}"),
-      ('x plain', lambda r: f"{r['peak_mb'] / plain['peak_mb']:.3f}"),
+      ('x plain', Ratio('peak_mb')),
       ('step s', lambda r: f"{r['step_s']:.3f}"),
-      ('x plain', lambda r: f"{r['step_s'] / plain['step_s']:.3f}"),
+      ('x plain', Ratio('step_s')),
       ('trace s', lambda r: f"{r['trace_s']:.1f}")])
 
 

@@ -17,8 +17,6 @@ import time
 from absl import app
 from absl import flags
 import bench_utils
-from lingvo_gpipe.core import pipeline_stats
-from lingvo_gpipe.core import planner
 from lingvo_gpipe.core import schedule as schedule_lib
 from lingvo_gpipe.core import simulator
 
@@ -42,6 +40,7 @@ def _Cases():
   """(K, M, forward ms per stage, backward ms per stage, MiB kept per micro-batch)."""
   ms = [int(m) for m in FLAGS.micro_batches]
   if FLAGS.plan:
+    from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
     plan = planner.LoadPlan(FLAGS.plan)
     forward, backward = plan.StageCosts()
     kept = [plan.layers[j].input_bytes / 2**20 for j in [0] + plan.ends[:-1]]
@@ -69,6 +68,7 @@ def main(argv):
     bench_utils.Progress(i, len(cases), f'{name} K={k} M={m}: bubble '
                          f'{prediction.bubble_fraction:.4f} in {seconds:.2f} s')
     if FLAGS.trace_out and i == 1:
+      from lingvo_gpipe.core import pipeline_stats  # pylint: disable=g-import-not-at-top
       pipeline_stats.WriteChromeTrace(FLAGS.trace_out,
                                       pipeline_stats.Timeline.FromPrediction(prediction))
   table = bench_utils.MarkdownTable(results, [

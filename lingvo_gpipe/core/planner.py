@@ -30,6 +30,7 @@ from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core import layers as layers_lib
 from lingvo_gpipe.core import layers_with_gpipe
+from lingvo_gpipe.core import memory_stats
 from lingvo_gpipe.core import partition
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import simulator
@@ -363,10 +364,7 @@ def _ProfileOne(layer, theta, args, repeats):
   ForwardBackward()  # Trace and warm up.
   forward = _Median(Forward, repeats)
   both = _Median(ForwardBackward, repeats)
-  tf.config.experimental.reset_memory_stats('CPU:0')
-  live = tf.config.experimental.get_memory_info('CPU:0')['current']
-  grads = ForwardBackward()
-  peak = tf.config.experimental.get_memory_info('CPU:0')['peak'] - live
+  grads, peak = memory_stats.PeakBytes(ForwardBackward)
   param_bytes = _Bytes(weights)
   profile = LayerProfile(name=layer.params.name, forward_s=forward,
                          backward_s=max(both - forward, 0.0), param_bytes=param_bytes,

@@ -1,0 +1,143 @@
+"""The tools in tools/: each has --help and finishes a tiny run with a table and its JSON.
+
+All tiny runs start together when the module's first test asks for them, so
+their TensorFlow start-ups overlap.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lingvo_gpipe.core import planner
+from lingvo_gpipe.core import schedule
+
+_TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tools')
+TOOLS = ('pipeline_benchmark', 'throughput_benchmark', 'memory_curves', 'capacity_benchmark',
+         'print_model', 'plan_balance', 'simulate_schedule')
+
+_TINY_TRANSFORMER = ['--layers=2', '--width=16', '--hidden=32', '--rows=4', '--seq_len=8']
+
+
+def _TinyArgs(tmp):
+  return {
+      'pipeline_benchmark': ['--model=mlp', '--layers=2', '--width=64', '--hidden=128',
+                             '--rows=1024', '--stages=2', '--micro_batches=2', '--remat=always',
+                             '--schedules=1f1b', '--steps=1'],
+      'throughput_benchmark': [*_TINY_TRANSFORMER, '--stages=2', '--micro_batches=2',
+                               '--steps=1', '--bubble_steps=1', f'--trace_dir={tmp}/traces'],
+      'memory_curves': ['--layers=2', '--width=64', '--hidden=128', '--rows=1024',
+                        '--fixed_stages=2', '--micro_batches=4', '--stages=2',
+                        '--fixed_micro_batches=4', '--steps=1'],
+      'capacity_benchmark': ['--budget_mb=16', '--widths=64', '--rows=32', '--seq_len=32',
+                             '--micro_batches=4', '--probe_layers=1,2', '--max_layers=2'],
+      'print_model': ['--model=lm.synthetic.GPipeTransformerLmTiny', '--noshow_params'],
+      'plan_balance': ['--model=mlp', '--layers=4', '--width=32', '--hidden=64', '--rows=16',
+                       '--stages=2', '--micro_batches=2', '--repeats=1', f'--out={tmp}/plan.json'],
+      'simulate_schedule': ['--stages=2,4', '--micro_batches=4', '--schedules=gpipe,1f1b',
+                            f'--trace_out={tmp}/sim.json'],
+  }
+
+
+def _Start(tool, *args):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+  return subprocess.Popen([sys.executable, os.path.join(_TOOLS, f'{tool}.py'), *args], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _Finish(proc, timeout=300):
+  out, err = proc.communicate(timeout=timeout)
+  assert proc.returncode == 0, err[-3000:]
+  return out, err
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """tool -> (tiny run's Popen, its output directory), all started at once."""
+  tmp = str(tmp_path_factory.mktemp('tools'))
+  return {tool: (_Start(tool, *args), tmp) for tool, args in _TinyArgs(tmp).items()}
+
+
+def _Output(runs, tool):
+  """(JSON after the table, the table's lines, stderr) of a tool's tiny run."""
+  out, err = _Finish(runs[tool][0])
+  lines = out.splitlines()
+  first = next(i for i, line in enumerate(lines) if line in ('[', '{'))
+  table = [line for line in lines[:first] if line.startswith('|')]
+  assert len(table) >= 3, out
+  return json.loads('\n'.join(lines[first:])), table, err
+
+
+@pytest.mark.parametrize('tool', TOOLS)
+def testHelp(tool):
+  proc = _Start(tool, '--help')
+  out, err = proc.communicate(timeout=60)
+  assert proc.returncode in (0, 1), err[-3000:]  # absl's --help exits with 1.
+  assert f'{tool}.py:' in out and '  --' in out
+
+
+def testPipelineBenchmark(runs):
+  results, table, err = _Output(runs, 'pipeline_benchmark')
+  assert [r['stages'] for r in results] == [0, 2] and results[1]['schedule'] == '1f1b'
+  assert all(r['peak_mb'] > 0 and r['step_s'] > 0 for r in results)
+  assert '[2/2]' in err and len(table) == 4
+
+
+def testThroughputBenchmark(runs):
+  results, _, err = _Output(runs, 'throughput_benchmark')
+  plain, point = results
+  assert 'bubble' not in plain and '[2/2]' in err
+  assert point['bubble_theory'] == pytest.approx(schedule.TheoreticalBubble(2, 2))
+  assert 0 <= point['bubble'] <= 1 and 0 <= point['bubble_simulated'] <= 1
+  with open(os.path.join(runs['throughput_benchmark'][1], 'traces', 'trace_K2_M2.json')) as f:
+    spans = [e for e in json.load(f)['traceEvents'] if e['ph'] == 'X']
+  assert len(spans) == 12  # F, R and B of 2 stages x 2 micro-batches.
+
+
+def testMemoryCurves(runs):
+  summary, table, _ = _Output(runs, 'memory_curves')
+  plain, point = summary['points']
+  assert plain['sweep'] == 'plain' and (point['stages'], point['micro_batches']) == (2, 4)
+  assert 0 < point['peak_mb'] < plain['peak_mb']
+  assert set(summary['fit']) == {'alpha_mb', 'beta_mb', 'gamma_mb', 'max_relative_error'}
+  assert len(table) == 4
+
+
+def testCapacityBenchmark(runs):
+  summary, _, _ = _Output(runs, 'capacity_benchmark')
+  naive, pipeline = summary['results']
+  assert (naive['mode'], pipeline['mode']) == ('naive', 'pipeline')
+  assert naive['fits'] and pipeline['fits'] and pipeline['capped']
+  assert naive['peak_mb'] <= 16 and pipeline['peak_mb'] <= 16
+  assert pipeline['mb_per_layer'] < naive['mb_per_layer']
+
+
+def testPrintModel(runs):
+  (summary,), table, _ = _Output(runs, 'print_model')
+  assert summary['pipeline'] == 'stack'
+  assert [r['name'] for r in summary['layers']] == ['tgt_emb', 'dec0', 'dec1', 'softmax']
+  assert [s['layers'] for s in summary['stages']] == [['tgt_emb', 'dec0'], ['dec1', 'softmax']]
+  assert sum(s['params'] for s in summary['stages']) == sum(r['params'] for r in
+                                                            summary['layers'])
+  assert len(table) == 2 + 4 + 2 + 2  # Layer table and stage table.
+
+
+def testPlanBalance(runs):
+  plan_json, _, err = _Output(runs, 'plan_balance')
+  plan = planner.LoadPlan(os.path.join(runs['plan_balance'][1], 'plan.json'))
+  assert plan.ends == plan_json['ends'] and len(plan.ends) == 2 and plan.ends[-1] == 4
+  assert [p.name for p in plan.layers] == [f'layer{i}' for i in range(4)]
+  assert '[4/4]' in err
+
+
+def testSimulateSchedule(runs):
+  results, _, _ = _Output(runs, 'simulate_schedule')
+  assert [(r['schedule'], r['stages']) for r in results] == [
+      ('gpipe', 2), ('gpipe', 4), ('1f1b', 2), ('1f1b', 4)]
+  for r in results:  # Uniform costs: the bubble is the theory's.
+    assert r['bubble'] == pytest.approx(r['theory'])
+  assert [r['max_in_flight'] for r in results] == [4, 4, 2, 4]
+  with open(os.path.join(runs['simulate_schedule'][1], 'sim.json')) as f:
+    assert len([e for e in json.load(f)['traceEvents'] if e['ph'] == 'X']) == 2 * 2 * 4
