@@ -204,9 +204,6 @@ def _StepOf(op_name):
   return (int(match[1]), match[2], int(match[3])) if match else None
 
 
-@pytest.mark.xfail(strict=True, reason='gpipe.py: tf.timestamp is stateful, so tf.function '
-                   'chains all stamps (and measured backward calls) in program order across '
-                   'stages; change request in issue 7 report')
 @pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
 def testMeasuringAddsNoWaitBetweenStages(sched):
   """In the measured graph a step waits only for its stage and its schedule dependencies."""

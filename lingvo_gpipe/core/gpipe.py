@@ -94,11 +94,24 @@ class FeatureExtractionLayer(layers.SequentialLayer):
     return out, acts
 
 
-def _Stamp(structure):
-  """The time (tf.timestamp, seconds) once every tensor of `structure` exists."""
+@tf.function(autograph=False)
+def _Now(clock):
+  """tf.timestamp() in a call that takes the stage's `clock` variable.
+
+  Inside a tf.function, automatic control dependencies chain every stateful op
+  that has no resource input (tf.timestamp is one) in program order, which
+  would make each stage's stamps wait for the other stages' steps. A call that
+  takes a resource it only reads is ordered by nothing but its own inputs.
+  """
+  del clock  # Only its presence as an input matters.
+  return tf.timestamp()
+
+
+def _Stamp(clock, structure):
+  """The time (seconds) once every tensor of `structure` exists."""
   with tf.control_dependencies([x for x in tf.nest.flatten(structure)
                                 if isinstance(x, tf.Tensor)]):
-    return tf.timestamp()
+    return _Now(clock)
 
 
 def _Accumulate(total, grads):
@@ -140,6 +153,7 @@ class _CellSteps:
     self._k = k
     self._device = device
     self._update_layers = []
+    self._clock = None
     options = dict(autograph=False, experimental_attributes={'_noinline': True})
     self._forward = tf.function(self._Forward, **options)
     self._backward = tf.function(self._Backward, **options)
@@ -159,9 +173,17 @@ class _CellSteps:
       with tf.GradientTape(watch_accessed_variables=False) as tape:
         _Watch(tape, theta, args)
         out, acts = self._layer.CellFProp(self._k, theta, args)
-      recomputed = _Stamp((out, acts)) if measure else None
+      recomputed = _Stamp(self.clock, (out, acts)) if measure else None
       d_args, d_theta = _CellGradients(tape, theta, args, (out, acts), grads_in)
       return d_args, _Accumulate(theta_grads, d_theta), recomputed
+
+  @property
+  def clock(self):
+    """The variable this stage's time stamps take (see _Now); made on first use."""
+    if self._clock is None:
+      with tf.init_scope(), tf.device(self._device):
+        self._clock = tf.Variable(0.0, trainable=False, name=f'clock{self._k}')
+    return self._clock
 
   @staticmethod
   def _ContextArgs():
@@ -225,10 +247,14 @@ class _Run:
     scope.enter_context(py_utils.Context(micro_batch=m))
     return scope
 
-  @staticmethod
-  def _StartStamp(inputs):
-    """When measuring: the time the step's inputs are ready, else None."""
-    return _Stamp(inputs) if py_utils.CurrentContext().step_stats is not None else None
+  def _StartStamp(self, stage, inputs):
+    """When measuring: (the time the step's inputs are ready, the inputs made to wait
+    for that stamp, so that the step's work and its later stamps come after it);
+    else (None, inputs)."""
+    if py_utils.CurrentContext().step_stats is None:
+      return None, inputs
+    start = _Stamp(self.cell_steps[stage].clock, inputs)
+    return start, _After([start], inputs)
 
   def _Record(self, stage, kind, m, start, outputs, recompute_end=None):
     """When measuring: appends the step's timing record to the context's list."""
@@ -236,7 +262,8 @@ class _Run:
     if stats is not None:
       stats.append(py_utils.NestedMap(
           replica=self.replica, stage=stage, kind=kind, micro_batch=m, start=start,
-          end=_Stamp(outputs), recompute_end=recompute_end))
+          end=_Stamp(self.cell_steps[stage].clock, (outputs, recompute_end)),
+          recompute_end=recompute_end))
 
   def _Remat(self, m):
     return self.remat == 'always' or (self.remat == 'except_last' and
@@ -247,7 +274,7 @@ class _Run:
     key = (m, k)
     with self._Scope(k, schedule_lib.FORWARD, m):
       args = _After(self.tokens[k], self.inputs[key])
-      start = self._StartStamp(args)
+      start, args = self._StartStamp(k, args)
       if self._Remat(m):
         out, acts, updates = self.cell_steps[k].Forward(self.thetas[k], args)
         if not self.keep_inputs:
@@ -280,7 +307,7 @@ class _Run:
       if key in self.tapes:
         tape, args, out, acts = self.tapes.pop(key)
         grads_in = _After(self.tokens[k], grads_in)
-        start = self._StartStamp(grads_in)
+        start, grads_in = self._StartStamp(k, grads_in)
         d_args, d_theta = _CellGradients(tape, self.thetas[k], args, (out, acts), grads_in)
         self.theta_grads[k] = _Accumulate(self.theta_grads[k], d_theta)
         recomputed = None
@@ -289,7 +316,7 @@ class _Run:
         # cell's activations only while it can run that cell's backward.
         waits = self.tokens[k] + [g for g in tf.nest.flatten(grads_in) if g is not None]
         args, grads_in = _After(waits, (self.inputs.pop(key), grads_in))
-        start = self._StartStamp((args, grads_in))
+        start, (args, grads_in) = self._StartStamp(k, (args, grads_in))
         d_args, self.theta_grads[k], recomputed = self.cell_steps[k].Backward(
             self.thetas[k], args, grads_in, self.theta_grads[k])
       self._Record(k, schedule_lib.BACKWARD, m, start, (d_args, self.theta_grads[k]),
