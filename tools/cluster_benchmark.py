@@ -39,6 +39,9 @@ flags.DEFINE_enum('remat', 'never', ['always', 'except_last', 'never'],
                   "Re-materialization of the pipeline; 'never' does the baseline's work.")
 flags.DEFINE_integer('worker_inter_op_threads', 2,
                      'Inter-op threads of the workers and the baseline process.')
+flags.DEFINE_boolean('pin_workers', True,
+                     'Pin worker i to core i (taskset). With --nopin_workers the workers keep '
+                     'one intra-op thread each but the OS may run any of their threads on any core.')
 flags.DEFINE_integer('steps_per_call', 4, 'Training steps per client call.')
 flags.DEFINE_integer('calls', 3, 'Timed calls per configuration.')
 flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
@@ -170,7 +173,8 @@ def main(argv):
   # The baseline before and after the pipelines; the faster one counts.
   baselines = bench_utils.RunIsolated(script, _Config(role='baseline'))
   bench_utils.Progress(1, 3, f"baseline: {baselines[0]['step_s']:.3f} s/step")
-  with local_cluster.LocalCluster(2, cpus=[0, 1], intra_op_threads=1,
+  cpus = [0, 1] if FLAGS.pin_workers else None
+  with local_cluster.LocalCluster(2, cpus=cpus, intra_op_threads=1,
                                   inter_op_threads=FLAGS.worker_inter_op_threads) as cluster:
     pipelines = bench_utils.RunIsolated(script, _Config(
         role='client', spec=cluster.spec, micro_batches=[int(m) for m in FLAGS.micro_batches]))
@@ -180,8 +184,10 @@ def main(argv):
   bench_utils.Progress(3, 3, f"baseline: {baselines[1]['step_s']:.3f} s/step")
   baseline = min(baselines, key=lambda r: r['step_s'])
   results = dict(baseline=baseline, baselines=baselines, pipelines=pipelines,
+                 pinned_workers=FLAGS.pin_workers,
                  load_before=load_before, load_after=bench_utils.Load())
   bench_utils.Emit(_Table(baseline, pipelines), results, FLAGS.json_out, notes=[
+      f'Workers pinned to cores 0 and 1: {FLAGS.pin_workers}.',
       f'Load average (1, 5, 15 min) before {load_before}, after {results["load_after"]}.'])
 
 

@@ -257,13 +257,18 @@ class _Run:
     return start, _After([start], inputs)
 
   def _Record(self, stage, kind, m, start, outputs, recompute_end=None):
-    """When measuring: appends the step's timing record to the context's list."""
+    """When measuring: appends the step's timing record to the context's list and
+    returns [its end stamp] for the stage's next step to wait for (else []): a stamp
+    that nothing waits for may run long after the outputs exist, when a busy
+    executor gets to it."""
     stats = py_utils.CurrentContext().step_stats
-    if stats is not None:
-      stats.append(py_utils.NestedMap(
-          replica=self.replica, stage=stage, kind=kind, micro_batch=m, start=start,
-          end=_Stamp(self.cell_steps[stage].clock, (outputs, recompute_end)),
-          recompute_end=recompute_end))
+    if stats is None:
+      return []
+    end = _Stamp(self.cell_steps[stage].clock, (outputs, recompute_end))
+    stats.append(py_utils.NestedMap(
+        replica=self.replica, stage=stage, kind=kind, micro_batch=m, start=start, end=end,
+        recompute_end=recompute_end))
+    return [end]
 
   def _Remat(self, m):
     return self.remat == 'always' or (self.remat == 'except_last' and
@@ -287,9 +292,9 @@ class _Run:
           out, acts = self.layer.CellFProp(k, self.thetas[k], args)
         self.tapes[key] = (tape, args, out, acts)
         del self.inputs[key]
-      self._Record(k, schedule_lib.FORWARD, m, start, (out, acts))
+      end = self._Record(k, schedule_lib.FORWARD, m, start, (out, acts))
     self.updates += updates
-    self.tokens[k] = [x for x in tf.nest.flatten(out) if isinstance(x, tf.Tensor)]
+    self.tokens[k] = [x for x in tf.nest.flatten(out) if isinstance(x, tf.Tensor)] + end
     self.acts[key] = acts
     if k + 1 < self.num_stages:
       self.inputs[(m, k + 1)] = out
@@ -319,9 +324,9 @@ class _Run:
         start, (args, grads_in) = self._StartStamp(k, (args, grads_in))
         d_args, self.theta_grads[k], recomputed = self.cell_steps[k].Backward(
             self.thetas[k], args, grads_in, self.theta_grads[k])
-      self._Record(k, schedule_lib.BACKWARD, m, start, (d_args, self.theta_grads[k]),
+      end = self._Record(k, schedule_lib.BACKWARD, m, start, (d_args, self.theta_grads[k]),
                    recomputed)
-    self.tokens[k] = tf.nest.flatten(self.theta_grads[k])
+    self.tokens[k] = tf.nest.flatten(self.theta_grads[k]) + end
     if k > 0:
       self.out_grads[(m, k - 1)] = d_args
     else:
