@@ -8,6 +8,7 @@ subprocesses: tests/testdata/cluster_client.py and the trainer binary.
 """
 
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -212,6 +213,27 @@ def testMonitorFailsAJobWhoseWorkersAreSilentOrGone():
       cluster_lib.WaitForWorkers(addresses, 1.0)
   finally:
     silent.close()
+
+
+def testServerConfigGivesClientContextsTheWorkerThreadsAndTwoInterOpOnOneCore():
+  """The eager context a client opens on a worker sizes its pools from the environment."""
+  code = ('import json, os\n'
+          'from lingvo_gpipe import cluster\n'
+          'config = cluster.ServerConfig(*json.loads(os.environ["THREADS"]))\n'
+          'print(config.intra_op_parallelism_threads, config.inter_op_parallelism_threads,\n'
+          '      os.environ.get("TF_NUM_INTRAOP_THREADS"), os.environ.get("TF_NUM_INTEROP_THREADS"))\n')
+
+  def Run(threads, cpus):
+    env = dict(_Env(), THREADS=json.dumps(threads))
+    env.pop('TF_NUM_INTRAOP_THREADS', None)
+    env.pop('TF_NUM_INTEROP_THREADS', None)
+    out = subprocess.run(['taskset', '-c', cpus, sys.executable, '-c', code], env=env,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    return out.split()
+
+  assert Run([1, 0], '0') == ['1', '2', '1', '2']  # One core: still 2 inter-op threads.
+  assert Run([0, 3], '0') == ['0', '3', 'None', '3']
+  assert Run([0, 0], '0,1') == ['0', '0', 'None', 'None']  # Two cores: TensorFlow's default.
 
 
 def testWorkerOnAPortInUseIsAOneLineError():
