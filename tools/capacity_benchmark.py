@@ -104,35 +104,48 @@ class _Search:
   def Largest(self, mode, width):
     """(the deepest run that fits, the fitted MiB per layer).
 
-    The line through the probes predicts the depth; if that run does not fit,
-    bisection between the deepest fitting and the shallowest failing depth.
+    The line through the probes predicts the depth. Then, until the deepest
+    fitting depth and the shallowest failing one are neighbours (or the
+    deepest fitting one is --max_layers), the next depth is where the line
+    through the two nearest runs meets the budget: memory grows linearly with
+    depth, so that is one or two more runs, each a whole training step.
     """
     base = dict(mode=mode, width=width, rows=FLAGS.rows, seq_len=FLAGS.seq_len,
                 micro_batches=FLAGS.micro_batches)
     runs = {}
 
-    def Fits(depth):
+    def Peak(depth):
       if depth not in runs:
         runs[depth] = self.Run(layers=depth, **base)
-      return runs[depth]['peak_mb'] <= FLAGS.budget_mb
+      return runs[depth]['peak_mb']
+
+    def Crossing(a, b):
+      """Depth where the line through the runs at depths a < b meets the budget."""
+      slope = (Peak(b) - Peak(a)) / (b - a)
+      return a + math.floor((FLAGS.budget_mb - Peak(a)) / slope)
 
     l0, l1 = map(int, FLAGS.probe_layers)
-    fitting = [d for d in (l0, l1) if Fits(d)]
-    per_layer = (runs[l1]['peak_mb'] - runs[l0]['peak_mb']) / (l1 - l0)
+    per_layer = (Peak(l1) - Peak(l0)) / (l1 - l0)
     if per_layer <= 0:
       raise SystemExit(f'capacity_benchmark: error: {mode} d={width}: the peak did not grow from '
-                       f"{l0} to {l1} layers ({runs[l0]['peak_mb']:.2f} -> "
-                       f"{runs[l1]['peak_mb']:.2f} MB); the model is too small for the "
-                       'allocator statistics: raise --rows or --widths.')
-    low, high = max(fitting, default=0), None
-    fixed = runs[l0]['peak_mb'] - per_layer * l0
-    depth = min(max(1, math.floor((FLAGS.budget_mb - fixed) / per_layer)), FLAGS.max_layers)
-    if depth > low:
-      low, high = (depth, None) if Fits(depth) else (low, depth)
-    while high is not None and high - low > 1:
-      middle = (low + high) // 2
-      low, high = (middle, high) if Fits(middle) else (low, middle)
-    return runs[low or min(runs)], per_layer
+                       f'{l0} to {l1} layers ({Peak(l0):.2f} -> {Peak(l1):.2f} MB); the model is '
+                       'too small for the allocator statistics: raise --rows or --widths.')
+    depth = Crossing(l0, l1)
+    while True:
+      depth = min(max(1, depth), FLAGS.max_layers)
+      Peak(depth)
+      fitting = [d for d in runs if runs[d]['peak_mb'] <= FLAGS.budget_mb]
+      failing = [d for d in runs if runs[d]['peak_mb'] > FLAGS.budget_mb]
+      low, high = max(fitting, default=0), min(failing, default=None)
+      if low >= FLAGS.max_layers or (high is not None and high - low <= 1) or high == 1:
+        return runs[low or high], per_layer
+      if high is None:  # Line through the two deepest runs, at least one layer deeper.
+        below = max(d for d in runs if d < low)
+        depth = max(low + 1, Crossing(below, low))
+      elif low == 0:
+        depth = high // 2
+      else:
+        depth = min(max(low + 1, Crossing(low, high)), high - 1)
 
 
 def main(argv):
