@@ -9,7 +9,8 @@ Jobs (--job):
   evaler_dev, evaler_test
                       evaluate each new checkpoint of <logdir>/train on the Dev or
                       Test data, summaries in <logdir>/eval_dev or eval_test;
-                      --eval_once evaluates the latest checkpoint and exits.
+                      --eval_once evaluates the latest checkpoint and exits;
+                      --eval_timeout_secs stops a follower whose trainer died.
   worker              serves this process's devices to a cluster (a TensorFlow
                       server) until killed: --task=N of --cluster_spec's worker job.
   trainer_client      trains with the pipelines' stages on the workers' devices,
@@ -94,6 +95,9 @@ flags.DEFINE_integer('steps_per_loop', 1,
                      'Training steps per tf.function call (a device-side loop).')
 flags.DEFINE_integer('checkpoint_max_to_keep', 5, 'Recent checkpoints kept.')
 flags.DEFINE_boolean('eval_once', False, 'Evalers: evaluate the latest checkpoint and exit.')
+flags.DEFINE_float('eval_timeout_secs', None,
+                   'Evalers: fail when no new checkpoint arrives for this many seconds before '
+                   'train.max_steps is evaluated (the trainer died); default: wait forever.')
 flags.DEFINE_integer('eval_batches', None, 'Evalers: at most this many batches per evaluation; '
                      'default the whole (finite) Dev/Test dataset.')
 flags.DEFINE_string('balance_file', '',
@@ -333,6 +337,9 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
   unplaced stay with their inputs. Batches are made here (evaluation reads
   them one by one).
   """
+  if FLAGS.eval_timeout_secs is not None and FLAGS.eval_timeout_secs <= 0:
+    raise base_runner.UserError(
+        f'--eval_timeout_secs must be > 0, got {FLAGS.eval_timeout_secs:g}.')
   train_dir = os.path.join(logdir, 'train')
   eval_dir = os.path.join(logdir, f'eval_{dataset_name.lower()}')
   _MakeWritableDir(eval_dir)
@@ -363,16 +370,22 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
       raise base_runner.UserError(f'No checkpoint in {train_dir} to evaluate.')
     EvaluateCheckpoint(checkpointer.latest)
     return
+  max_steps = model_params.train.max_steps
   logging.info('Waiting for checkpoints in %s; evaluating until train.max_steps=%d.', train_dir,
-               model_params.train.max_steps)
-  for path in tf.train.checkpoints_iterator(train_dir):
+               max_steps)
+  step = None
+  for path in tf.train.checkpoints_iterator(train_dir, timeout=FLAGS.eval_timeout_secs):
     try:
       step = EvaluateCheckpoint(path)
     except tf.errors.NotFoundError:
       logging.info('Checkpoint %s was deleted before it could be evaluated.', path)
       continue
-    if step >= model_params.train.max_steps:
+    if step >= max_steps:
       return
+  evaluated = 'none evaluated yet' if step is None else f'last evaluated: step {step}'
+  raise base_runner.UserError(
+      f'No new checkpoint in {train_dir} for --eval_timeout_secs={FLAGS.eval_timeout_secs:g} '
+      f'({evaluated}, train.max_steps={max_steps}): is the trainer running?')
 
 
 def RunWorker(cluster):

@@ -131,6 +131,14 @@ def testTrainResumeAndEvaluate(tmp_path):
   for name, value in expected.items():
     np.testing.assert_allclose(resumed[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
+  # An evaler waiting for steps that no trainer will write gives up.
+  code, _, err = _Run(f'--logdir={logdir}', '--job=evaler_dev', '--max_steps=12',
+                      '--eval_timeout_secs=1')
+  assert code == 1 and 'eval_dev step 10 ' in err, err[-3000:]
+  assert _ErrorLines(err) == [
+      f'trainer: error: No new checkpoint in {train_dir} for --eval_timeout_secs=1 (last '
+      'evaluated: step 10, train.max_steps=12): is the trainer running?']
+
   err = _Ok(_Run(f'--logdir={logdir}', '--job=evaler_test', '--eval_once'))
   test_scalars = _Scalars(os.path.join(logdir, 'eval_test'))
   assert sorted(test_scalars) == ['abs_error', 'loss'] and list(test_scalars['loss']) == [10]
@@ -229,6 +237,11 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
       ([model, f'--logdir={not_a_dir}/log'], f'Cannot write to {not_a_dir}/log/train'),
       ([model, logdir, '--job=evaler_dev', '--eval_once'],
        f'No checkpoint in {tmp_path}/log/train to evaluate.'),
+      ([model, logdir, '--job=evaler_dev', '--eval_timeout_secs=0'],
+       '--eval_timeout_secs must be > 0, got 0.'),
+      ([model, logdir, '--job=evaler_dev', '--eval_timeout_secs=0.5'],
+       f'No new checkpoint in {tmp_path}/log/train for --eval_timeout_secs=0.5 (none evaluated '
+       'yet, train.max_steps=6): is the trainer running?'),
       ([model, logdir, '--job=trainer_client'],
        '--job=trainer_client needs a cluster with a worker job'),
       (['--job=worker', '--cluster_spec=worker=localhost:2222', '--task=1'],
