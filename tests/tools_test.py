@@ -16,7 +16,7 @@ from lingvo_gpipe.core import schedule
 
 _TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tools')
 TOOLS = ('pipeline_benchmark', 'throughput_benchmark', 'memory_curves', 'capacity_benchmark',
-         'print_model', 'plan_balance', 'simulate_schedule')
+         'print_model', 'plan_balance', 'simulate_schedule', 'cluster_benchmark')
 
 _TINY_TRANSFORMER = ['--layers=2', '--width=16', '--hidden=32', '--rows=4', '--seq_len=8']
 
@@ -36,6 +36,9 @@ def _TinyArgs(tmp):
       'print_model': ['--model=lm.synthetic.GPipeTransformerLmTiny', '--noshow_params'],
       'plan_balance': ['--model=mlp', '--layers=4', '--width=32', '--hidden=64', '--rows=16',
                        '--stages=2', '--micro_batches=2', '--repeats=1', f'--out={tmp}/plan.json'],
+      'cluster_benchmark': ['--layers=2', '--width=32', '--hidden=64', '--rows=64',
+                            '--micro_batches=1,2', '--calls=1', '--steps_per_call=1',
+                            '--bubble_steps=1', '--nopin_workers'],
       'simulate_schedule': ['--stages=2,4', '--micro_batches=4', '--schedules=gpipe,1f1b',
                             f'--trace_out={tmp}/sim.json'],
   }
@@ -141,3 +144,14 @@ def testSimulateSchedule(runs):
   assert [r['max_in_flight'] for r in results] == [4, 4, 2, 4]
   with open(os.path.join(runs['simulate_schedule'][1], 'sim.json')) as f:
     assert len([e for e in json.load(f)['traceEvents'] if e['ph'] == 'X']) == 2 * 2 * 4
+
+
+def testClusterBenchmark(runs):
+  summary, table, err = _Output(runs, 'cluster_benchmark')
+  assert [p['micro_batches'] for p in summary['pipelines']] == [1, 2] and len(table) == 4
+  assert len(summary['baselines']) == 2 and summary['baseline']['step_s'] > 0
+  for point in summary['pipelines']:
+    assert point['step_s'] > 0 and 0 <= point['bubble'] <= 1
+    assert point['bubble_theory'] == pytest.approx(
+        schedule.TheoreticalBubble(2, point['micro_batches']))
+  assert '[3/3]' in err

@@ -91,8 +91,12 @@ def _Fetch(tf, structure):
   tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, 'numpy') else t, structure)
 
 
-def _Timed(tf, fn, records_fn):
-  """(fn as run(), measured() from records_fn(records) -> outputs)."""
+def MeasuredStep(tf, body):
+  """A function that runs body() with the pipelines' step statistics on; returns the Timeline.
+
+  body is traced once into a tf.function; each call fetches its outputs, so
+  the timeline covers the whole step.
+  """
   from lingvo_gpipe.core import pipeline_stats  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import py_utils  # pylint: disable=g-import-not-at-top
   records = []
@@ -101,7 +105,7 @@ def _Timed(tf, fn, records_fn):
   def Measured():
     records.clear()
     with py_utils.Context(step_stats=records):
-      out = records_fn()
+      out = body()
     return out, pipeline_stats.StackTimes(records)
 
   def Timeline():
@@ -109,7 +113,13 @@ def _Timed(tf, fn, records_fn):
     _Fetch(tf, out)
     return pipeline_stats.Timeline.FromRecords(records, times.numpy())
 
-  return lambda: _Fetch(tf, fn()), Timeline
+  return Timeline
+
+
+def _Run(tf, body):
+  """body() as a traced tf.function whose outputs each call fetches."""
+  step = tf.function(body, autograph=False)
+  return lambda: _Fetch(tf, step())
 
 
 def _BuiltInStep(tf, config):
@@ -138,9 +148,9 @@ def _BuiltInStep(tf, config):
       return loss, tape.gradient(loss, model.trainable_variables)
     return model.ForwardBackward(model.theta, x, Loss)
 
-  run, measured = _Timed(tf, tf.function(Body, autograph=False), Body)
   params = sum(int(tf.size(v)) for v in model.trainable_variables)
-  return Step(run, measured if config['stages'] else None, params, shape[0])
+  return Step(_Run(tf, Body), MeasuredStep(tf, Body) if config['stages'] else None, params,
+              shape[0])
 
 
 def _RegisteredStep(tf, config):
@@ -157,9 +167,9 @@ def _RegisteredStep(tf, config):
   def Body():
     return task.ForwardBackward(task.theta, batch)
 
-  run, measured = _Timed(tf, tf.function(Body, autograph=False), Body)
   count = sum(int(tf.size(v)) for v in task.trainable_variables)
-  return Step(run, None if plain else measured, count, params.input.batch_size)
+  return Step(_Run(tf, Body), None if plain else MeasuredStep(tf, Body), count,
+              params.input.batch_size)
 
 
 def BuildStep(tf, config):
@@ -180,11 +190,11 @@ def MedianSeconds(fn, repeats):
   return statistics.median(Seconds(fn) for _ in range(repeats))
 
 
-def MeasureBubble(step, repeats):
-  """The pipeline_stats.Summary (as a dict) of the measured step with the median bubble."""
+def MeasureBubble(measured, repeats):
+  """The pipeline_stats.Summary (as a dict) with the median bubble of repeats measured() steps."""
   from lingvo_gpipe.core import pipeline_stats  # pylint: disable=g-import-not-at-top
-  step.measured()  # Trace and warm up.
-  summaries = sorted((pipeline_stats.Summarize(step.measured()) for _ in range(repeats)),
+  measured()  # Trace and warm up.
+  summaries = sorted((pipeline_stats.Summarize(measured()) for _ in range(repeats)),
                      key=lambda s: s.bubble_fraction)
   return summaries[len(summaries) // 2].AsDict()
 

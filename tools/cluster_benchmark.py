@@ -16,7 +16,10 @@ in a device-side loop, so it does not take part in every step.
 Reported per M: seconds per step (the best call: the machine is shared, and
 other load only slows a run down; the median is in the JSON), examples per
 second, the speed-up over the baseline, GPipe's ideal 2M/(M+1) for two stages,
-and the speed-up's ratio to it. Prints a markdown table, then the JSON.
+and the speed-up's ratio to it; then the bubble of --bubble_steps separately
+run forward-backward steps with the pipeline's statistics on (the median), next
+to its simulation with the measured stage costs and the theory (M-1 idle
+micro-batch slots: 1/(M+1)). Prints a markdown table, then the JSON.
 """
 
 import json
@@ -44,6 +47,7 @@ flags.DEFINE_boolean('pin_workers', True,
                      'one intra-op thread each but the OS may run any of their threads on any core.')
 flags.DEFINE_integer('steps_per_call', 4, 'Training steps per client call.')
 flags.DEFINE_integer('calls', 3, 'Timed calls per configuration.')
+flags.DEFINE_integer('bubble_steps', 3, 'Measured steps per M (the median bubble is kept); 0: none.')
 flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
 flags.DEFINE_string('single', None, 'Internal: one measuring process (JSON config).')
 
@@ -53,6 +57,11 @@ def _Layers(config):
   return [layers.TransformerFeedForwardLayer.Params().Set(
       name=f'ffn{i}', input_dim=config['width'], hidden_dim=config['hidden'])
           for i in range(config['layers'])]
+
+
+def _Loss(y):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return tf.reduce_mean(tf.square(y))
 
 
 def _StepsPerSecond(config, device, forward_backward, variables):
@@ -67,7 +76,7 @@ def _StepsPerSecond(config, device, forward_backward, variables):
     with tf.device(device):
       x = tf.random.stateless_normal([rows, width], tf.stack([counter.assign_add(1), i]))
     with cluster_lib.ColocatedWithInputs():
-      loss, grads = forward_backward(x, lambda y: tf.reduce_mean(tf.square(y)))
+      loss, grads = forward_backward(x, _Loss)
       for grad, var in zip(grads, variables):
         with tf.device(var.device):
           var.assign_sub(1e-3 * grad)
@@ -132,15 +141,35 @@ def _Pipelines(config):
       loss, grads = pipe.ForwardBackward(theta, x, loss_fn)
       return loss, tf.nest.flatten(grads)
 
-    results.append(_Result(config, *_StepsPerSecond(config, devices[0], ForwardBackward,
-                                                    variables), micro_batches=m))
+    result = _Result(config, *_StepsPerSecond(config, devices[0], ForwardBackward, variables),
+                     micro_batches=m)
+    if config['bubble_steps']:
+      result.update(_Bubble(config, devices[0], pipe))
+    results.append(result)
   return results
+
+
+def _Bubble(config, device, pipe):
+  """Measured, simulated and theoretical bubble of forward-backward steps of `pipe`."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+
+  def Body():
+    with tf.device(device):
+      x = tf.random.stateless_normal([config['rows'], config['width']], [7, 8])
+    with cluster_lib.ColocatedWithInputs():
+      return pipe.ForwardBackward(pipe.theta, x, _Loss)
+
+  summary = bench_utils.MeasureBubble(bench_utils.MeasuredStep(tf, Body), config['bubble_steps'])
+  return dict(bubble=summary['bubble_fraction'], bubble_simulated=summary['simulated_bubble'],
+              bubble_theory=summary['theoretical_bubble'])
 
 
 def _Config(**extra):
   return dict(layers=FLAGS.layers, width=FLAGS.width, hidden=FLAGS.hidden, rows=FLAGS.rows,
               remat=FLAGS.remat, inter_op_threads=FLAGS.worker_inter_op_threads,
-              steps_per_call=FLAGS.steps_per_call, calls=FLAGS.calls, **extra)
+              steps_per_call=FLAGS.steps_per_call, calls=FLAGS.calls,
+              bubble_steps=FLAGS.bubble_steps, **extra)
 
 
 def _Table(baseline, pipelines):
@@ -150,6 +179,9 @@ def _Table(baseline, pipelines):
   def Ideal(p):
     return 2 * p['micro_batches'] / (p['micro_batches'] + 1)
 
+  def Bubble(key):
+    return lambda p: f'{p[key]:.3f}' if key in p else '-'
+
   return bench_utils.MarkdownTable(pipelines, [
       ('M', lambda p: p['micro_batches']),
       ('pipeline s/step', lambda p: f"{p['step_s']:.3f}"),
@@ -158,7 +190,9 @@ def _Table(baseline, pipelines):
       ('baseline ex/s', lambda p: f"{baseline['examples_per_s']:.0f}"),
       ('speed-up', lambda p: f'{Speedup(p):.2f}'),
       ('ideal 2M/(M+1)', lambda p: f'{Ideal(p):.2f}'),
-      ('speed-up / ideal', lambda p: f'{Speedup(p) / Ideal(p):.2f}')])
+      ('speed-up / ideal', lambda p: f'{Speedup(p) / Ideal(p):.2f}'),
+      ('bubble measured', Bubble('bubble')), ('simulated', Bubble('bubble_simulated')),
+      ('theory', Bubble('bubble_theory'))])
 
 
 def main(argv):

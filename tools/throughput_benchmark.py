@@ -58,7 +58,7 @@ def _RunOne(config):
   result = dict(config, params=step.params, trace_s=trace_s, step_s=step_s,
                 examples_per_s=step.rows / step_s)
   if step.measured is not None:
-    summary = bench_utils.MeasureBubble(step, config['bubble_steps'])
+    summary = bench_utils.MeasureBubble(step.measured, config['bubble_steps'])
     result.update(bubble=summary['bubble_fraction'],
                   bubble_simulated=summary['simulated_bubble'],
                   bubble_theory=summary['theoretical_bubble'],
