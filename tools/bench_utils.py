@@ -73,7 +73,15 @@ class Step:
     self.rows = rows
 
 
-def _LayerParams(config):
+def FlagsConfig(flag_values):
+  """The built-in stack's config from a tool's flags of the same names."""
+  return {name: getattr(flag_values, name)
+          for name in ('model', 'layers', 'width', 'hidden', 'rows', 'seq_len')}
+
+
+def LayerParams(config):
+  """(layer params, input shape) of a built-in stack: config has model ('mlp' or 'transformer'),
+  layers, width, hidden, rows, seq_len and optionally heads (default width / 64)."""
   from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
   if config['model'] == 'mlp':
     layer = layers.TransformerFeedForwardLayer.Params().Set(
@@ -125,7 +133,7 @@ def _Run(tf, body):
 def _BuiltInStep(tf, config):
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
-  layer_params, shape = _LayerParams(config)
+  layer_params, shape = LayerParams(config)
   x = tf.random.stateless_normal(shape, [1, 2])
 
   def Loss(y):

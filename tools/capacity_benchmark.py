@@ -47,11 +47,8 @@ def _RunOne(config):
   tf = bench_utils.SetUpDevices(1)
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
-  d = config['width']
-  layer = layers.TransformerLayer.Params().Set(input_dim=d, hidden_dim=4 * d,
-                                               num_heads=max(1, d // 64), mask_self_atten=True)
-  layer_params = [layer.Copy() for _ in range(config['layers'])]
-  shape = [config['rows'], config['seq_len'], d]
+  layer_params, shape = bench_utils.LayerParams(
+      dict(config, model='transformer', hidden=4 * config['width']))
   if config['mode'] == 'naive':
     model = layers.SequentialLayer.Params().Set(name='naive', sub=layer_params).Instantiate()
   else:

@@ -53,9 +53,8 @@ def _RunOne(config):
 
 
 def _Points():
-  base = dict(model=FLAGS.model, layers=FLAGS.layers, width=FLAGS.width, hidden=FLAGS.hidden,
-              rows=FLAGS.rows, seq_len=FLAGS.seq_len, schedule=FLAGS.schedule,
-              remat=FLAGS.remat, path='forward_backward', steps=FLAGS.steps,
+  base = dict(bench_utils.FlagsConfig(FLAGS), schedule=FLAGS.schedule, remat=FLAGS.remat,
+              path='forward_backward', steps=FLAGS.steps,
               inter_op_threads=FLAGS.inter_op_threads)
   sizes = [(FLAGS.fixed_stages, int(m)) for m in FLAGS.micro_batches]
   sizes += [(int(k), FLAGS.fixed_micro_batches) for k in FLAGS.stages

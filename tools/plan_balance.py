@@ -46,7 +46,6 @@ def _Profile(tf):
   """(profiles, glued layers, the model's own ends, K, M, schedule, remat)."""
   from lingvo_gpipe import model_registry  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import partition  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
 
@@ -56,16 +55,8 @@ def _Profile(tf):
                          f'{profile.activation_bytes / 2**20:.1f} MB activations')
 
   if FLAGS.model in ('mlp', 'transformer'):
-    if FLAGS.model == 'mlp':
-      layer = layers.TransformerFeedForwardLayer.Params().Set(input_dim=FLAGS.width,
-                                                              hidden_dim=FLAGS.hidden)
-      shape = [FLAGS.rows, FLAGS.width]
-    else:
-      layer = layers.TransformerLayer.Params().Set(
-          input_dim=FLAGS.width, hidden_dim=FLAGS.hidden,
-          num_heads=max(1, FLAGS.width // 64), mask_self_atten=True)
-      shape = [FLAGS.rows, FLAGS.seq_len, FLAGS.width]
-    layer_params = [layer.Copy().Set(name=f'layer{i}') for i in range(FLAGS.layers)]
+    layer_params, shape = bench_utils.LayerParams(bench_utils.FlagsConfig(FLAGS))
+    layer_params = [p.Set(name=f'layer{i}') for i, p in enumerate(layer_params)]
     k, m = FLAGS.stages or 4, FLAGS.micro_batches or 8
     own = partition.Balance(gpipe.LayerCosts(layer_params, tf.TensorShape(shape), 'flops'), k)
     profiles = planner.ProfileLayers(layer_params, tf.TensorSpec(shape), shape[0] // m,

@@ -41,18 +41,8 @@ flags.DEFINE_string('json_out', None, 'Also write the stages JSON to this file.'
 def _BuiltIn(tf):
   """(params text, pipeline params, batch spec) of a built-in stack."""
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
-  if FLAGS.model == 'mlp':
-    layer = layers.TransformerFeedForwardLayer.Params().Set(input_dim=FLAGS.width,
-                                                            hidden_dim=FLAGS.hidden)
-    shape = [FLAGS.rows, FLAGS.width]
-  else:
-    layer = layers.TransformerLayer.Params().Set(
-        input_dim=FLAGS.width, hidden_dim=FLAGS.hidden, num_heads=max(1, FLAGS.width // 64),
-        mask_self_atten=True)
-    shape = [FLAGS.rows, FLAGS.seq_len, FLAGS.width]
-  cells = gpipe.PartitionSequentialLayers([layer.Copy() for _ in range(FLAGS.layers)],
-                                          FLAGS.stages, tf.TensorShape(shape))
+  layer_params, shape = bench_utils.LayerParams(bench_utils.FlagsConfig(FLAGS))
+  cells = gpipe.PartitionSequentialLayers(layer_params, FLAGS.stages, tf.TensorShape(shape))
   pipe = gpipe.PipeliningLayer.Params().Set(name=FLAGS.model, cell_tpl=cells,
                                             num_micro_batches=FLAGS.micro_batches)
   return pipe, tf.TensorSpec(shape)

@@ -73,9 +73,8 @@ def _RunOne(config):
 
 
 def _Points():
-  base = dict(model=FLAGS.model, layers=FLAGS.layers, width=FLAGS.width, hidden=FLAGS.hidden,
-              rows=FLAGS.rows, seq_len=FLAGS.seq_len, schedule=FLAGS.schedule,
-              remat=FLAGS.remat, path='forward_backward', steps=FLAGS.steps,
+  base = dict(bench_utils.FlagsConfig(FLAGS), schedule=FLAGS.schedule, remat=FLAGS.remat,
+              path='forward_backward', steps=FLAGS.steps,
               bubble_steps=FLAGS.bubble_steps, intra_op_threads=FLAGS.intra_op_threads,
               inter_op_threads=FLAGS.inter_op_threads, trace_dir=FLAGS.trace_dir)
   points = [dict(base, stages=0, micro_batches=1)]
