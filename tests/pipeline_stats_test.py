@@ -45,8 +45,8 @@ def testSummaryOfAHandMadeTimeline():
   # Each stage busy 6 of 10: a 0.4 bubble, above the 1/3 of unit costs because of hand-overs.
   assert summary.bubble_fraction == pytest.approx(0.4)
   assert summary.theoretical_bubble == pytest.approx(schedule.TheoreticalBubble(2, 2))
-  # Median stage costs F=1, B=2 without hand-overs: the fill-drain bubble is (K-1)/(M+K-1).
-  assert summary.simulated_bubble == pytest.approx(1 / 3)
+  # Median stage costs F=1, B=2 and the 0.5 hand-over reproduce the timeline: same bubble.
+  assert summary.simulated_bubble == pytest.approx(0.4)
   stage0, stage1 = summary.devices
   assert (stage0.forward, stage0.recompute, stage0.backward) == pytest.approx((2, 2, 2))
   assert (stage1.forward, stage1.recompute, stage1.backward) == pytest.approx((2, 0, 4))
@@ -93,6 +93,34 @@ def testSimulatedTimelineSummarizesToItsPrediction(name):
   assert summary.step_time == pytest.approx(prediction.step_time)
   assert summary.bubble_fraction == pytest.approx(prediction.bubble_fraction)
   np.testing.assert_allclose([d.busy for d in summary.devices], prediction.busy)
+
+
+@pytest.mark.parametrize('name', schedule.SCHEDULE_NAMES)
+def testHandOverTimesRecoverTheSimulatedOnes(name):
+  """Per-boundary hand-overs put into the simulator come back out of its timeline, and the
+  summary's simulation with unit stage costs then reproduces the simulated bubble exactly."""
+  prediction = simulator.Simulate(simulator.Orders(name, 3, 6), 1.0, 2.0,
+                                  transfer_cost=[0.25, 0.75])
+  timeline = pipeline_stats.Timeline.FromPrediction(prediction)
+  np.testing.assert_allclose(timeline.HandOverTimes(), [0.25, 0.75])
+  summary = pipeline_stats.Summarize(timeline, name)
+  assert summary.simulated_bubble == pytest.approx(prediction.bubble_fraction)
+
+
+def testHandOverTimesCountOnlyStepsThatWaited():
+  records = [
+      _Record(0, 'F', 0, 0, 1), _Record(0, 'F', 1, 1, 2),
+      # Stage 1 waits 0.5 for micro-batch 0; micro-batch 1 arrives while it is busy.
+      _Record(1, 'F', 0, 1.5, 4), _Record(1, 'F', 1, 4, 5),
+      # Overlapping timestamps (stage 0 recorded its start before stage 1's end): clipped to 0.
+      _Record(1, 'B', 1, 5, 6), _Record(1, 'B', 0, 6, 7), _Record(0, 'B', 1, 5.9, 8),
+      _Record(0, 'B', 0, 8, 9),
+  ]
+  timeline = pipeline_stats.Timeline.FromRecords(records)
+  # Samples: F(0,1) waited 0.5, B(1,0) waited max(5.9 - 6, 0) = 0; the median of the two.
+  np.testing.assert_allclose(timeline.HandOverTimes(), [0.25])
+  one_stage = pipeline_stats.Timeline.FromRecords(records[:2] + records[7:])
+  assert one_stage.HandOverTimes().shape == (0,)
 
 
 def testBadRecords():

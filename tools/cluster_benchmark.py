@@ -18,7 +18,7 @@ other load only slows a run down; the median is in the JSON), examples per
 second, the speed-up over the baseline, GPipe's ideal 2M/(M+1) for two stages,
 and the speed-up's ratio to it; then the bubble of --bubble_steps separately
 run forward-backward steps with the pipeline's statistics on (the median), next
-to its simulation with the measured stage costs and the theory (M-1 idle
+to its simulation with the measured stage and hand-over costs and the theory (M-1 idle
 micro-batch slots: 1/(M+1)). Prints a markdown table, then the JSON.
 """
 

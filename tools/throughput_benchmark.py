@@ -9,7 +9,8 @@ it prints the bubble of one step three ways (pipeline_stats):
 
   measured   idle share of K devices x the step window, from the steps' timestamps;
   simulated  the schedule simulated with this run's median forward and backward
-             time per stage (what the schedule implies for these stage costs);
+             time per stage and hand-over time per boundary (what the schedule
+             implies for these costs);
   theory     unit-cost (K-1)/(M+K-1).
 
   python tools/throughput_benchmark.py                       # a few minutes

@@ -25,9 +25,10 @@ last end; idle = window - busy, and the bubble fraction is the idle share of
 devices x window, as schedule.Schedule.BubbleFraction and
 simulator.Prediction.bubble_fraction define it. Besides the unit-cost theory
 ((K-1)/(M+K-1) for fill-drain) the summary simulates the schedule with this
-run's own median forward and backward time per stage: the bubble the schedule
-implies for these stage costs, so the gap to the measured bubble is what the
-runtime adds (hand-overs, dispatch, devices sharing cores).
+run's own median forward and backward time per stage and median hand-over
+time per boundary: the bubble the schedule implies for these costs, so the gap
+to the measured bubble is what the runtime adds beyond them (dispatch, devices
+sharing cores).
 """
 
 import dataclasses
@@ -148,6 +149,26 @@ class Timeline:
         costs[b, k] = np.median(steps) if steps.size else 0.0
     return costs[0], costs[1]
 
+  def HandOverTimes(self):
+    """[K-1] median seconds per stage boundary from a step's end until the neighbour's step that
+    waited for its output started (F(m, k) -> F(m, k+1), B(m, k+1) -> B(m, k)); 0 where no
+    step waited. Only steps whose device was idle count: a busy neighbour hides the hand-over."""
+    step = {key: i for i, key in enumerate(zip(self.replica.tolist(), self.stage.tolist(),
+                                                self.backward.tolist(),
+                                                self.micro_batch.tolist()))}
+    previous_end = np.full(self.start.shape, -np.inf)
+    for replica, stage in self.Devices():
+      mine = np.flatnonzero((self.replica == replica) & (self.stage == stage))
+      mine = mine[np.argsort(self.start[mine], kind='stable')]
+      previous_end[mine[1:]] = self.end[mine[:-1]]
+    samples = [[] for _ in range(max(self.num_stages - 1, 0))]
+    for (replica, stage, backward, m), i in step.items():
+      source = stage + 1 if backward else stage - 1
+      producer = step.get((replica, source, backward, m))
+      if producer is not None and previous_end[i] < self.end[producer]:
+        samples[min(stage, source)].append(max(self.start[i] - self.end[producer], 0.0))
+    return np.array([np.median(s) if s else 0.0 for s in samples])
+
 
 def _UnionLength(start, end):
   """Total length covered by intervals [start_i, end_i]."""
@@ -201,8 +222,8 @@ class Summary:
     """Per-device milliseconds and the bubble, measured, simulated and in theory."""
     lines = [f'{self.schedule}: K={self.num_stages}, M={self.num_micro_batches}, step '
              f'{self.step_time * 1e3:.1f} ms; bubble measured {self.bubble_fraction:.3f}, '
-             f'simulated with these stage costs {self.simulated_bubble:.3f}, unit-cost theory '
-             f'{self.theoretical_bubble:.3f}', '',
+             f'simulated with these stage and hand-over costs {self.simulated_bubble:.3f}, '
+             f'unit-cost theory {self.theoretical_bubble:.3f}', '',
              '| replica | stage | forward ms | recompute ms | backward ms | busy ms | idle ms |',
              '|---|---|---|---|---|---|---|']
     for d in self.devices:
@@ -235,7 +256,8 @@ def Summarize(timeline, schedule=None):
       num_micro_batches=timeline.num_micro_batches, num_replicas=timeline.num_replicas,
       step_time=window, bubble_fraction=idle / (len(devices) * window) if window > 0 else 0.0,
       theoretical_bubble=simulator.Simulate(orders).bubble_fraction,
-      simulated_bubble=simulator.Simulate(orders, forward, backward).bubble_fraction,
+      simulated_bubble=simulator.Simulate(
+          orders, forward, backward, timeline.HandOverTimes()).bubble_fraction,
       devices=devices)
 
 
