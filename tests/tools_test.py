@@ -149,9 +149,13 @@ def testSimulateSchedule(runs):
 def testClusterBenchmark(runs):
   summary, table, err = _Output(runs, 'cluster_benchmark')
   assert [p['micro_batches'] for p in summary['pipelines']] == [1, 2] and len(table) == 4
-  assert len(summary['baselines']) == 2 and summary['baseline']['step_s'] > 0
+  # Baselines before M=1, between M=1 and M=2, after M=2; each M takes the faster neighbour.
+  baseline_s = [b['step_s'] for b in summary['baselines']]
+  assert len(baseline_s) == 3 and min(baseline_s) > 0
+  assert [p['baseline_s'] for p in summary['pipelines']] == [min(baseline_s[:2]),
+                                                             min(baseline_s[1:])]
   for point in summary['pipelines']:
     assert point['step_s'] > 0 and 0 <= point['bubble'] <= 1
     assert point['bubble_theory'] == pytest.approx(
         schedule.TheoreticalBubble(2, point['micro_batches']))
-  assert '[3/3]' in err
+  assert '[5/5]' in err  # Progress: 3 baselines and 2 pipelines.

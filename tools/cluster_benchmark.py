@@ -13,9 +13,14 @@ backward and the update of every weight where it lives (the pipeline's loss
 and last stage on worker 1). The client runs --steps_per_call steps per call
 in a device-side loop, so it does not take part in every step.
 
+The baseline runs before the first M and after each M, each run in its own
+process, and each M is compared with the faster of the two baselines around it:
+this machine's speed drifts by about 10% over minutes, and a baseline taken
+far from the pipeline it is compared with moved the ratio by as much.
+
 Reported per M: seconds per step (the best call: the machine is shared, and
 other load only slows a run down; the median is in the JSON), examples per
-second, the speed-up over the baseline, GPipe's ideal 2M/(M+1) for two stages,
+second, its baseline, the speed-up over it, GPipe's ideal 2M/(M+1) for two stages,
 and the speed-up's ratio to it; then the bubble of --bubble_steps separately
 run forward-backward steps with the pipeline's statistics on (the median), next
 to its simulation with the measured stage and hand-over costs and the theory (M-1 idle
@@ -172,9 +177,9 @@ def _Config(**extra):
               bubble_steps=FLAGS.bubble_steps, **extra)
 
 
-def _Table(baseline, pipelines):
+def _Table(pipelines):
   def Speedup(p):
-    return baseline['step_s'] / p['step_s']
+    return p['baseline_s'] / p['step_s']
 
   def Ideal(p):
     return 2 * p['micro_batches'] / (p['micro_batches'] + 1)
@@ -185,14 +190,33 @@ def _Table(baseline, pipelines):
   return bench_utils.MarkdownTable(pipelines, [
       ('M', lambda p: p['micro_batches']),
       ('pipeline s/step', lambda p: f"{p['step_s']:.3f}"),
-      ('baseline s/step', lambda p: f"{baseline['step_s']:.3f}"),
+      ('baseline s/step', lambda p: f"{p['baseline_s']:.3f}"),
       ('pipeline ex/s', lambda p: f"{p['examples_per_s']:.0f}"),
-      ('baseline ex/s', lambda p: f"{baseline['examples_per_s']:.0f}"),
+      ('baseline ex/s', lambda p: f"{p['rows'] / p['baseline_s']:.0f}"),
       ('speed-up', lambda p: f'{Speedup(p):.2f}'),
       ('ideal 2M/(M+1)', lambda p: f'{Ideal(p):.2f}'),
       ('speed-up / ideal', lambda p: f'{Speedup(p) / Ideal(p):.2f}'),
       ('bubble measured', Bubble('bubble')), ('simulated', Bubble('bubble_simulated')),
       ('theory', Bubble('bubble_theory'))])
+
+
+def _Interleaved(spec, micro_batches):
+  """(baselines, pipelines): a baseline, then each M followed by a baseline, each in its own
+  process (the idle workers wait meanwhile); each M gets the faster baseline around it."""
+  script = os.path.abspath(__file__)
+  total = 1 + 2 * len(micro_batches)
+  baselines = bench_utils.RunIsolated(script, _Config(role='baseline'))
+  bench_utils.Progress(1, total, f"baseline: {baselines[-1]['step_s']:.3f} s/step")
+  pipelines = []
+  for i, m in enumerate(micro_batches):
+    (pipeline,) = bench_utils.RunIsolated(script, _Config(role='client', spec=spec,
+                                                          micro_batches=[m]))
+    bench_utils.Progress(2 * i + 2, total, f"pipeline M={m}: {pipeline['step_s']:.3f} s/step")
+    baselines += bench_utils.RunIsolated(script, _Config(role='baseline'))
+    bench_utils.Progress(2 * i + 3, total, f"baseline: {baselines[-1]['step_s']:.3f} s/step")
+    pipeline['baseline_s'] = min(baselines[-2]['step_s'], baselines[-1]['step_s'])
+    pipelines.append(pipeline)
+  return baselines, pipelines
 
 
 def main(argv):
@@ -202,25 +226,14 @@ def main(argv):
     results = _Baseline(config) if config['role'] == 'baseline' else _Pipelines(config)
     print(json.dumps(results))
     return
-  script = os.path.abspath(__file__)
   load_before = bench_utils.Load()
-  # The baseline before and after the pipelines; the faster one counts.
-  baselines = bench_utils.RunIsolated(script, _Config(role='baseline'))
-  bench_utils.Progress(1, 3, f"baseline: {baselines[0]['step_s']:.3f} s/step")
   cpus = [0, 1] if FLAGS.pin_workers else None
   with local_cluster.LocalCluster(2, cpus=cpus, intra_op_threads=1,
                                   inter_op_threads=FLAGS.worker_inter_op_threads) as cluster:
-    pipelines = bench_utils.RunIsolated(script, _Config(
-        role='client', spec=cluster.spec, micro_batches=[int(m) for m in FLAGS.micro_batches]))
-  bench_utils.Progress(2, 3, 'pipelines: ' + ', '.join(
-      f"M={p['micro_batches']} {p['step_s']:.3f} s/step" for p in pipelines))
-  baselines += bench_utils.RunIsolated(script, _Config(role='baseline'))
-  bench_utils.Progress(3, 3, f"baseline: {baselines[1]['step_s']:.3f} s/step")
-  baseline = min(baselines, key=lambda r: r['step_s'])
-  results = dict(baseline=baseline, baselines=baselines, pipelines=pipelines,
-                 pinned_workers=FLAGS.pin_workers,
+    baselines, pipelines = _Interleaved(cluster.spec, [int(m) for m in FLAGS.micro_batches])
+  results = dict(baselines=baselines, pipelines=pipelines, pinned_workers=FLAGS.pin_workers,
                  load_before=load_before, load_after=bench_utils.Load())
-  bench_utils.Emit(_Table(baseline, pipelines), results, FLAGS.json_out, notes=[
+  bench_utils.Emit(_Table(pipelines), results, FLAGS.json_out, notes=[
       f'Workers pinned to cores 0 and 1: {FLAGS.pin_workers}.',
       f'Load average (1, 5, 15 min) before {load_before}, after {results["load_after"]}.'])
 
