@@ -140,9 +140,10 @@ def _WritePipelineStats(writer, step, timeline, trace_dir):
     pipeline_stats_lib.WriteChromeTrace(
         os.path.join(trace_dir, f'pipeline_trace_{step}.json'), timeline)
   logging.info('step %d pipeline (%s, K=%d, M=%d): bubble %.3f measured, %.3f simulated with '
-               'the measured stage and hand-over times, %.3f in theory; %.4f s', step, summary.schedule,
-               summary.num_stages, summary.num_micro_batches, summary.bubble_fraction,
-               summary.simulated_bubble, summary.theoretical_bubble, summary.step_time)
+               'the measured stage and hand-over times, %.3f in theory; %.4f s', step,
+               summary.schedule, summary.num_stages, summary.num_micro_batches,
+               summary.bubble_fraction, summary.simulated_bubble, summary.theoretical_bubble,
+               summary.step_time)
 
 
 class _Progress:

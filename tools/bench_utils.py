@@ -81,7 +81,8 @@ def FlagsConfig(flag_values):
 
 def LayerParams(config):
   """(layer params, input shape) of a built-in stack: config has model ('mlp' or 'transformer'),
-  layers, width, hidden, rows, seq_len and optionally heads (default width / 64)."""
+  layers, width, hidden, rows, seq_len (a Transformer's only) and optionally heads (default
+  width / 64)."""
   from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
   if config['model'] == 'mlp':
     layer = layers.TransformerFeedForwardLayer.Params().Set(

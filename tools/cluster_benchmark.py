@@ -20,11 +20,12 @@ far from the pipeline it is compared with moved the ratio by as much.
 
 Reported per M: seconds per step (the best call: the machine is shared, and
 other load only slows a run down; the median is in the JSON), examples per
-second, its baseline, the speed-up over it, GPipe's ideal 2M/(M+1) for two stages,
-and the speed-up's ratio to it; then the bubble of --bubble_steps separately
-run forward-backward steps with the pipeline's statistics on (the median), next
-to its simulation with the measured stage and hand-over costs and the theory (M-1 idle
-micro-batch slots: 1/(M+1)). Prints a markdown table, then the JSON.
+second, its baseline, the speed-up over it, GPipe's ideal 2M/(M+1) for two
+stages, and the speed-up's ratio to it; then the bubble of --bubble_steps
+separately run forward-backward steps with the pipeline's statistics on (the
+median), next to its simulation with the measured stage and hand-over costs
+and the theory (M-1 idle micro-batch slots: 1/(M+1)). Prints a markdown table,
+then the JSON.
 """
 
 import json
@@ -49,19 +50,18 @@ flags.DEFINE_integer('worker_inter_op_threads', 2,
                      'Inter-op threads of the workers and the baseline process.')
 flags.DEFINE_boolean('pin_workers', True,
                      'Pin worker i to core i (taskset). With --nopin_workers the workers keep '
-                     'one intra-op thread each but the OS may run any of their threads on any core.')
+                     'one intra-op thread each but the OS may run any of their threads on any '
+                     'core.')
 flags.DEFINE_integer('steps_per_call', 4, 'Training steps per client call.')
 flags.DEFINE_integer('calls', 3, 'Timed calls per configuration.')
-flags.DEFINE_integer('bubble_steps', 3, 'Measured steps per M (the median bubble is kept); 0: none.')
+flags.DEFINE_integer('bubble_steps', 3,
+                     'Measured steps per M (the median bubble is kept); 0: none.')
 flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
 flags.DEFINE_string('single', None, 'Internal: one measuring process (JSON config).')
 
 
 def _Layers(config):
-  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
-  return [layers.TransformerFeedForwardLayer.Params().Set(
-      name=f'ffn{i}', input_dim=config['width'], hidden_dim=config['hidden'])
-          for i in range(config['layers'])]
+  return bench_utils.LayerParams(dict(config, model='mlp'))[0]
 
 
 def _Loss(y):
