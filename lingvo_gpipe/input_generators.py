@@ -10,6 +10,7 @@ The synthetic sequence tasks are learnable by construction: a random source of
 symbols and a target that is a fixed function of it (copy, reverse or sort).
 """
 
+import contextlib
 import os
 
 import numpy as np
@@ -28,6 +29,16 @@ NUM_BYTES = 256
 
 DEFAULT_TEXT_FILE = os.path.join(os.path.dirname(__file__), 'data', 'pipelines.txt')
 TEXT_SPLITS = ('train', 'dev', 'test')
+
+
+@contextlib.contextmanager
+def _ReadingInputFile(p):
+  """Turns a missing or unreadable input_file into a ValueError naming it."""
+  try:
+    yield
+  except OSError as e:
+    raise ValueError(f'{p.name}: cannot read input_file {p.input_file!r}: '
+                     f'{e.strerror or e}.') from None
 
 
 def _PadTo(x, length, value=0):
@@ -174,7 +185,7 @@ class TextLmInput(base_input_generator.BaseInputGenerator):
                        f'{p.heldout_fraction!r}.')
     if not (isinstance(p.seq_len, int) and p.seq_len > 0):
       raise ValueError(f'{p.name}: seq_len must be a positive int, got {p.seq_len!r}.')
-    with open(p.input_file, 'rb') as f:
+    with _ReadingInputFile(p), open(p.input_file, 'rb') as f:
       data = f.read()
     start, end = self.SplitRange(len(data))
     if end - start < p.seq_len + 1:
@@ -262,7 +273,7 @@ class NpzImageInput(_ImageInput):
   def __init__(self, params):
     super().__init__(params)
     p = self.params
-    with np.load(p.input_file) as data:
+    with _ReadingInputFile(p), np.load(p.input_file) as data:
       images, labels = data[p.images_key], data[p.labels_key]
     if len(labels) < p.batch_size:
       raise ValueError(f'{p.name}: {p.input_file} has {len(labels)} examples; expected at '

@@ -1,5 +1,7 @@
 """Tests of input generators: deterministic with a seed, and holding what they claim."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -162,6 +164,14 @@ def testTooShortTextIsAClearError(tmp_path):
   with pytest.raises(ValueError, match=r'the dev part of .* has 10 bytes \(200 in the file\); '
                                        r'expected at least seq_len \+ 1 = 17'):
     p.Instantiate()
+
+
+@pytest.mark.parametrize('params', [ig.TextLmInput.Params(), ig.NpzImageInput.Params()])
+def testMissingInputFileIsAClearError(tmp_path, params):
+  missing = str(tmp_path / 'nowhere.bin')
+  with pytest.raises(ValueError, match=rf"cannot read input_file '{re.escape(missing)}': "
+                                       r'No such file or directory'):
+    params.Set(input_file=missing).Instantiate()
 
 
 # -- images -------------------------------------------------------------------------

@@ -234,6 +234,10 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
        'Cannot build the task: '),
       ([model, logdir, '--model_params_override=input.batch_size : 0'],
        'Cannot build the input generator: input: batch_size must be positive, got 0.'),
+      (['--model=lm.text.GPipeByteLm', logdir,
+        f'--model_params_override=input.input_file : {tmp_path}/none.txt'],
+       f"Cannot build the input generator: text_train: cannot read input_file "
+       f"'{tmp_path}/none.txt': No such file or directory."),
       ([model, f'--logdir={not_a_dir}/log'], f'Cannot write to {not_a_dir}/log/train'),
       ([model, logdir, '--job=evaler_dev', '--eval_once'],
        f'No checkpoint in {tmp_path}/log/train to evaluate.'),
