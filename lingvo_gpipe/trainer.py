@@ -342,8 +342,9 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
         f'--eval_timeout_secs must be > 0, got {FLAGS.eval_timeout_secs:g}.')
   train_dir = os.path.join(logdir, 'train')
   eval_dir = os.path.join(logdir, f'eval_{dataset_name.lower()}')
-  _MakeWritableDir(eval_dir)
   task, global_step, _, checkpointer = _Instantiate(model_params, train_dir)
+  if FLAGS.eval_once and not checkpointer.latest:
+    raise base_runner.UserError(f'No checkpoint in {train_dir} to evaluate.')
   dataset = base_runner.InputDataset(model_params.input)
   if FLAGS.eval_batches is None and dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
     raise base_runner.UserError(f'The {dataset_name} input repeats forever: set its num_batches '
@@ -354,6 +355,7 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
     with py_utils.EvalMode(), _StepPlacement(on_cluster):
       return task.FPropTower(task.theta, batch)
 
+  _MakeWritableDir(eval_dir)
   writer = tf.summary.create_file_writer(eval_dir)
 
   def EvaluateCheckpoint(path):
@@ -366,8 +368,6 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
     return step
 
   if FLAGS.eval_once:
-    if not checkpointer.latest:
-      raise base_runner.UserError(f'No checkpoint in {train_dir} to evaluate.')
     EvaluateCheckpoint(checkpointer.latest)
     return
   max_steps = model_params.train.max_steps

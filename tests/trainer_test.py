@@ -266,6 +266,13 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
     assert code == 1 and len(lines) == 1 and message in lines[0], (argv, err)
 
 
+def testEvalOnceWithoutCheckpointWritesNothing(tmp_path, capsys, monkeypatch):
+  monkeypatch.setenv('LINGVO_GPIPE_PARAMS', _PARAMS_DIR)
+  code, _ = _MainInProcess(capsys, f'--model={_MODEL}', f'--logdir={tmp_path}/log',
+                           '--job=evaler_dev', '--eval_once')
+  assert code == 1 and not os.path.exists(tmp_path / 'log')
+
+
 def testCheckpointOfAnotherModelIsRefusedAndNothingWritten(tmp_path, capsys, monkeypatch):
   monkeypatch.setenv('LINGVO_GPIPE_PARAMS', _PARAMS_DIR)
   logdir = str(tmp_path / 'log')
