@@ -125,8 +125,9 @@ def _Baseline(config):
   return [_Result(config, *_StepsPerSecond(config, '/device:CPU:0', ForwardBackward, variables))]
 
 
-def _Pipelines(config):
-  """Two stages on the cluster's two workers, for each M; this process only dispatches."""
+def _Pipeline(config):
+  """Two stages on the cluster's two workers with M micro-batches; this process only
+  dispatches."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
@@ -134,24 +135,19 @@ def _Pipelines(config):
   devices = cluster_lib.PipelineDevices(2)
   cells = gpipe.PartitionSequentialLayers(_Layers(config), 2,
                                           tf.TensorShape([config['rows'], config['width']]))
-  results = []
-  for m in config['micro_batches']:
-    pipe = gpipe.PipeliningLayer.Params().Set(
-        name=f'pipe{m}', cell_tpl=cells, num_micro_batches=m, remat=config['remat'],
-        devices=devices).Instantiate()
-    theta = pipe.theta
-    variables = tf.nest.flatten(theta)
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=config['micro_batches'],
+      remat=config['remat'], devices=devices).Instantiate()
 
-    def ForwardBackward(x, loss_fn, pipe=pipe, theta=theta):
-      loss, grads = pipe.ForwardBackward(theta, x, loss_fn)
-      return loss, tf.nest.flatten(grads)
+  def ForwardBackward(x, loss_fn):
+    loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn)
+    return loss, tf.nest.flatten(grads)
 
-    result = _Result(config, *_StepsPerSecond(config, devices[0], ForwardBackward, variables),
-                     micro_batches=m)
-    if config['bubble_steps']:
-      result.update(_Bubble(config, devices[0], pipe))
-    results.append(result)
-  return results
+  result = _Result(config, *_StepsPerSecond(config, devices[0], ForwardBackward,
+                                            tf.nest.flatten(pipe.theta)))
+  if config['bubble_steps']:
+    result.update(_Bubble(config, devices[0], pipe))
+  return [result]
 
 
 def _Bubble(config, device, pipe):
@@ -210,7 +206,7 @@ def _Interleaved(spec, micro_batches):
   pipelines = []
   for i, m in enumerate(micro_batches):
     (pipeline,) = bench_utils.RunIsolated(script, _Config(role='client', spec=spec,
-                                                          micro_batches=[m]))
+                                                          micro_batches=m))
     bench_utils.Progress(2 * i + 2, total, f"pipeline M={m}: {pipeline['step_s']:.3f} s/step")
     baselines += bench_utils.RunIsolated(script, _Config(role='baseline'))
     bench_utils.Progress(2 * i + 3, total, f"baseline: {baselines[-1]['step_s']:.3f} s/step")
@@ -223,7 +219,7 @@ def main(argv):
   del argv
   if FLAGS.single:
     config = json.loads(FLAGS.single)
-    results = _Baseline(config) if config['role'] == 'baseline' else _Pipelines(config)
+    results = _Baseline(config) if config['role'] == 'baseline' else _Pipeline(config)
     print(json.dumps(results))
     return
   load_before = bench_utils.Load()
