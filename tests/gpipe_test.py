@@ -359,14 +359,13 @@ def testDropoutMasksAreRedrawnIdenticallyInRecompute(remat):
   x = _Input()
 
   def Reference():
-    """Each micro-batch through the cells eagerly, in its own FProp context."""
-    outs = []
-    for m, xm in enumerate(tf.split(x, num)):
-      with py_utils.Context(micro_batch=m, step=7):
-        for cell, th in zip(pipe.cell, pipe.theta.cell):
-          xm = cell.FProp(th, xm)
-      outs.append(xm)
-    return tf.concat(outs, 0)
+    """The whole batch through the cells eagerly: each micro-batch's mask is its part of
+    the whole batch's."""
+    xm = x
+    with py_utils.Context(step=7):
+      for cell, th in zip(pipe.cell, pipe.theta.cell):
+        xm = cell.FProp(th, xm)
+    return xm
 
   with tf.GradientTape() as tape:
     ref_loss = _Loss(Reference())
@@ -618,8 +617,11 @@ def testEveryLayerPipelinesLikeItsMicroBatchedPlainRun(case):
 
   with tf.GradientTape() as tape:
     pieces = []
+    rows = inputs[0].shape[0] // 2
     for m, piece in enumerate(zip(*[tf.split(t, 2) for t in inputs])):
-      with py_utils.Context(micro_batch=m, updates=[]):
+      # Step 0: the pipeline's first call; each micro-batch where it sits in the batch.
+      with py_utils.Context(step=0, batch_slice=py_utils.BatchSlice(m * rows, rows),
+                            updates=[]):
         pieces.append(pipe.cell[0].FProp(pipe.theta.cell[0], *piece))
     ref = tf.nest.map_structure(lambda *t: tf.concat(t, 0), *pieces)
     ref_loss = Loss(ref)

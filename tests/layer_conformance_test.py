@@ -135,7 +135,7 @@ def testTableCoversEveryLayerClass():
 def testEagerEqualsFunction(case, training):
   layer = _Instantiate(case)
   inputs = case.make_inputs()
-  with py_utils.Context(training=training, step=3, micro_batch=1):
+  with py_utils.Context(training=training, step=3):
     eager = _FProp(layer, inputs)
     graph = tf.function(lambda *args: _FProp(layer, args))(*inputs)
   _AssertSameOutputs(graph, eager, tol=1e-5)

@@ -189,15 +189,32 @@ def testDropoutMaskIsAFunctionOfTheContext():
     with py_utils.Context(**context):
       return layer(x).numpy()
 
-  mask = Run(step=3, micro_batch=1)
-  np.testing.assert_array_equal(mask, Run(step=3, micro_batch=1))
-  np.testing.assert_array_equal(mask, Run(step=tf.constant(3), micro_batch=1))
-  assert not np.array_equal(mask, Run(step=3, micro_batch=2))
-  assert not np.array_equal(mask, Run(step=4, micro_batch=1))
+  mask = Run(step=3)
+  np.testing.assert_array_equal(mask, Run(step=3))
+  np.testing.assert_array_equal(mask, Run(step=tf.constant(3)))
+  assert not np.array_equal(mask, Run(step=4))
   kept = mask != 0
   assert abs(kept.mean() - 0.75) < 0.03
   _Close(mask[kept], 1.0 / 0.75)
   np.testing.assert_array_equal(Run(training=False), x)
+  # A micro-batch (rows 10..19 of the 40) draws its rows of the whole batch's mask.
+  with py_utils.Context(step=3, batch_slice=py_utils.BatchSlice(10, 10)):
+    np.testing.assert_array_equal(layer(x[10:20]), mask[10:20])
+
+
+def testDropoutStepDefaultsToTheLayersCallCount():
+  # In a user's own loop (no context step) each training call draws a new mask,
+  # the n-th call the mask of step n, and eval calls do not count.
+  layer = _Build(layers.DropoutLayer, keep_prob=0.5)
+  x = tf.ones([8, 16])
+  first, second = layer(x).numpy(), layer(x).numpy()
+  assert not np.array_equal(first, second)
+  with py_utils.EvalMode():
+    layer(x)
+  third = tf.function(lambda: layer(x))().numpy()
+  for step, got in enumerate([first, second, third]):
+    with py_utils.Context(step=step):
+      np.testing.assert_array_equal(got, _Build(layers.DropoutLayer, keep_prob=0.5)(x))
 
 
 def testDropoutMasksDifferAcrossLayers():

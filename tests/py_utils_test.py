@@ -102,20 +102,53 @@ def testContextIsScoped():
   assert py_utils.CurrentContext().training
   with py_utils.EvalMode():
     assert not py_utils.CurrentContext().training
-    with py_utils.Context(micro_batch=3):
-      assert py_utils.CurrentContext().micro_batch == 3
+    with py_utils.Context(step=3):
+      assert py_utils.CurrentContext().step == 3
       assert not py_utils.CurrentContext().training
-    assert py_utils.CurrentContext().micro_batch == 0
+    assert py_utils.CurrentContext().step is None
   assert py_utils.CurrentContext().training
 
 
-def testStepSeedDependsOnStepAndMicroBatchOnly():
-  def Seed(step, mb):
-    with py_utils.Context(step=step, micro_batch=mb):
-      return tuple(py_utils.StepSeed(7).numpy())
+def _WholeBatchNoise(seed, step, shape):
+  """The reference: tf.random.stateless_uniform over the whole batch, batch first."""
+  pair = tf.random.experimental.stateless_fold_in(tf.constant([seed, 0], tf.int64),
+                                                  tf.constant(step, tf.int64))
+  return tf.random.stateless_uniform(shape, pair).numpy()
 
-  assert Seed(3, 1) == Seed(3, 1)
-  assert Seed(tf.constant(3), 1) == Seed(3, 1)
-  assert len({Seed(3, 1), Seed(3, 2), Seed(4, 1), Seed(4, 2)}) == 4
-  # Large micro-batch indices stay distinct (no float-carried ids).
-  assert Seed(0, 2**24) != Seed(0, 2**24 + 1)
+
+@pytest.mark.parametrize('size,num_parts', [(12, 1), (12, 3), (12, 4), (12, 12)])
+def testBatchUniformSlicesAreTheWholeBatchNoise(size, num_parts):
+  # Rows of 5 x 3 floats: slices start at any float offset, not only at multiples of 4.
+  whole = _WholeBatchNoise(7, 3, [size, 5, 3])
+  rows = size // num_parts
+  for part in range(num_parts):
+    with py_utils.Context(batch_slice=py_utils.BatchSlice(part * rows, rows)):
+      got = py_utils.BatchUniform(7, 3, tf.zeros([rows, 5, 3])).numpy()
+    np.testing.assert_array_equal(got, whole[part * rows:(part + 1) * rows])
+
+
+def testBatchUniformOfReshapedTensorsFollowsTheExamples():
+  # [rows * 5, 3] is batch-major: each example owns 5 consecutive rows.
+  whole = _WholeBatchNoise(7, 3, [8, 5, 3]).reshape([40, 3])
+  with py_utils.Context(batch_slice=py_utils.BatchSlice(tf.constant(6), 2)):
+    got = py_utils.BatchUniform(7, 3, tf.zeros([10, 3])).numpy()
+  np.testing.assert_array_equal(got, whole[30:])
+
+
+def testBatchUniformWithTimeMajorBatch():
+  whole = _WholeBatchNoise(7, 3, [6, 4, 2])  # Batch first.
+  with py_utils.Context(batch_slice=py_utils.BatchSlice(2, 2, batch_dim=1)):
+    got = py_utils.BatchUniform(7, 3, tf.zeros([4, 2, 2])).numpy()
+  np.testing.assert_array_equal(got, np.transpose(whole[2:4], [1, 0, 2]))
+
+
+def testBatchUniformDependsOnSeedAndStep():
+  x = tf.zeros([4, 4])
+  draws = [py_utils.BatchUniform(seed, step, x).numpy() for seed, step in
+           [(7, 3), (7, 4), (8, 3)]]
+  assert not np.array_equal(draws[0], draws[1])
+  assert not np.array_equal(draws[0], draws[2])
+  np.testing.assert_array_equal(draws[0], py_utils.BatchUniform(7, tf.constant(3), x))
+  # Large steps stay distinct (integers, never float-carried).
+  assert not np.array_equal(py_utils.BatchUniform(7, 2**24, x),
+                            py_utils.BatchUniform(7, 2**24 + 1, x))

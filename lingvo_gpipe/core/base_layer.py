@@ -4,6 +4,13 @@ Layers build children and variables in `__init__` and compute in
 `FProp(theta, *inputs)`, reading weights only from `theta`. Because the forward
 pass is a function of (theta, inputs), the pipeline can re-run it on any device,
 for any micro-batch, and get the same numbers.
+
+A layer's identity is its path in the model ('lm/stack/dec3/ff'): variable
+names, initial values, random seeds and checkpoint keys all derive from it. A
+grouping that is not part of the model (a pipeline cell, which only says where
+the cut falls) is *transparent*: its children are named as its parent's, so the
+same model cut into other cells has the same identity, and a checkpoint of a
+layer (tf.train.Checkpoint) lists the layers and variables by those names.
 """
 
 import contextlib
@@ -37,6 +44,23 @@ def ApplyRecordedUpdates(updates):
     layer.ApplyUpdate(layer.CombineUpdates(stats_list))
 
 
+class _CallCounter:
+  """A count of calls in an int64 variable made on first use (in or out of tf.function).
+
+  A plain object, not a tf.Module, so the variable is no part of the model.
+  """
+
+  def __init__(self):
+    self._var = None
+
+  def Next(self):
+    """The number of earlier calls, as a tensor; counts this call."""
+    if self._var is None:
+      with tf.init_scope():
+        self._var = tf.Variable(0, dtype=tf.int64, trainable=False, name='call_count')
+    return self._var.assign_add(1) - 1
+
+
 class BaseLayer(tf.Module):
   """Base class of all layers."""
 
@@ -54,6 +78,11 @@ class BaseLayer(tf.Module):
              'Initializer of variables whose WeightParams name none.')
     return p
 
+  # True for groupings that are not part of the model's identity (see the module doc).
+  TRANSPARENT = False
+  # _identity repeats the variables and children: tf.Module need not walk it twice.
+  _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {'_identity'}
+
   def __init__(self, params):
     if not params.name:
       raise ValueError(f'{type(self).__name__} params need a non-empty name.')
@@ -67,9 +96,13 @@ class BaseLayer(tf.Module):
     if p.fprop_dtype is None:
       p.fprop_dtype = parent.params.fprop_dtype if parent else p.dtype
     self._params = p.Freeze()
-    self._path = f'{parent.path}/{p.name}' if parent else p.name
+    parent_scope = parent.scope if parent else ''
+    self._path = f'{parent_scope}/{p.name}' if parent_scope else p.name
+    self._scope = parent_scope if self.TRANSPARENT else self._path
     self._variables_dict = {}
     self._children_dict = {}
+    self._identity = {}  # What a checkpoint of this layer holds, by name (_Register).
+    self._call_count = _CallCounter()
 
   @property
   def params(self):
@@ -78,8 +111,14 @@ class BaseLayer(tf.Module):
 
   @property
   def path(self):
-    """'parent/child/...': prefixes variable names and seeds."""
+    """'parent/child/...': names this layer in messages and seeds its random ops."""
     return self._path
+
+  @property
+  def scope(self):
+    """The prefix of the names of this layer's variables and children: its path, or its
+    parent's scope if this layer is transparent."""
+    return self._scope
 
   @property
   def layer_seed(self):
@@ -105,11 +144,24 @@ class BaseLayer(tf.Module):
     if name in self._children_dict or name in self._variables_dict:
       raise ValueError(f'{self.path}: {name!r} is already a child or variable.')
 
+  def _Register(self, name, value):
+    """Adds a variable or child layer to this layer's identity (a transparent child's own
+    identity instead), refusing a name taken: two layers would share variable names."""
+    items = value.IdentityItems() if getattr(value, 'TRANSPARENT', False) else {name: value}
+    for key, item in items.items():
+      if key in self._identity:
+        raise ValueError(f'{self.path}: two layers or variables are named {self.scope}/{key}; '
+                         'names must be unique, also across pipeline cells, which are not '
+                         'part of the names.')
+      self._identity[key] = item
+
   def _Build(self, name, p):
     p = p.Copy()
     p.name = name
     with _ParentScope(self):
-      return p.Instantiate()
+      child = p.Instantiate()
+    self._Register(name, child)
+    return child
 
   def CreateChild(self, name, p):
     """Builds child layer `name` from params `p`; reachable as self.<name>."""
@@ -137,13 +189,17 @@ class BaseLayer(tf.Module):
   def CreateVariable(self, name, weight_params):
     """Creates variable `name`; its initial value depends only on the seed and path."""
     self._CheckNewName(name)
+    if self.TRANSPARENT:
+      raise ValueError(f'{self.path}: a {type(self).__name__} groups layers and cannot own '
+                       f'variable {name!r}.')
     wp = weight_params
     dtype = wp.dtype or self.params.dtype
     init = wp.init or self.params.params_init
-    path = f'{self.path}/{name}'
+    path = f'{self.scope}/{name}'
     seed = py_utils.PathSeed(self.params.random_seed, path)
     value = py_utils.InitialValue(init, wp.shape, dtype, seed)
     var = tf.Variable(value, name=path, trainable=wp.trainable)
+    self._Register(name, var)
     self._variables_dict[name] = var
     return var
 
@@ -154,8 +210,35 @@ class BaseLayer(tf.Module):
     a pipeline returns one gradient share per place, to be summed per variable.
     """
     self._CheckNewName(name)
+    self._Register(name, var)
     self._variables_dict[name] = var
     return var
+
+  def LayersByPath(self):
+    """path -> layer, of this layer and every layer below it."""
+    out = {self.path: self}
+    for child in self._children_dict.values():
+      for layer in child if isinstance(child, list) else [child]:
+        out.update(layer.LayersByPath())
+    return out
+
+  def IdentityItems(self):
+    """name -> variable or child layer: what identifies this layer in a model."""
+    return dict(self._identity)
+
+  def _trackable_children(self, save_type='checkpoint', **kwargs):
+    """A checkpoint of a layer holds its identity: the same at any pipeline cut.
+
+    (tf.Module would list its attributes, so cells and their indices.) A
+    SavedModel also gets the tf.functions that tf.Module finds.
+    """
+    children = self.IdentityItems()
+    if save_type == 'savedmodel':
+      functions = super()._trackable_children(save_type, **kwargs)
+      children.update((name, fn) for name, fn in functions.items()
+                      if isinstance(fn, (tf.types.experimental.PolymorphicFunction,
+                                         tf.types.experimental.ConcreteFunction)))
+    return children
 
   # -- theta ------------------------------------------------------------------
 
@@ -180,6 +263,18 @@ class BaseLayer(tf.Module):
     return tf.nest.map_structure(Cast, value)
 
   # -- computation -------------------------------------------------------------
+
+  def TrainingStep(self):
+    """The step that seeds this training call's random ops (dropout masks).
+
+    It is the FProp context's step when one is set (the trainer sets the global
+    step); else the number of this layer's earlier calls that asked, so that
+    consecutive training steps of a user's own loop draw new masks. That count
+    lives outside the layer's variables and checkpoints: to resume a run's masks
+    exactly, set `py_utils.Context(step=...)`.
+    """
+    step = py_utils.CurrentContext().step
+    return self._call_count.Next() if step is None else step
 
   def FProp(self, theta, *args, **kwargs):
     """The forward computation, a pure function of theta and the inputs."""

@@ -33,6 +33,36 @@ def AvailableDevices():
   return [d.name for d in pool]
 
 
+def _Matches(wanted, device):
+  """Whether DeviceSpec `device` is `wanted`: every field that `wanted` sets agrees."""
+  for field in ('job', 'replica', 'task', 'device_index'):
+    if getattr(wanted, field) is not None and getattr(wanted, field) != getattr(device, field):
+      return False
+  return wanted.device_type is None or (
+      wanted.device_type.upper() == (device.device_type or '').upper())
+
+
+def CheckDevicesExist(names):
+  """Raises a ValueError naming the first device TensorFlow does not have.
+
+  Without it, TensorFlow places ops for a missing device elsewhere (soft
+  placement): a pipeline would silently run every stage on one device.
+  """
+  known = [d.name for d in tf.config.list_logical_devices()]
+  # Local devices are listed without their job: that is /job:localhost/replica:0/task:0.
+  specs = [s if s.job else s.replace(job='localhost', replica=0, task=0)
+           for s in map(tf.DeviceSpec.from_string, known)]
+  for name in names:
+    try:
+      wanted = tf.DeviceSpec.from_string(name)
+    except ValueError as e:
+      raise ValueError(f'Device {name!r} is not a device name: {e}') from None
+    if not any(_Matches(wanted, spec) for spec in specs):
+      raise ValueError(f'Device {name!r} does not exist here; TensorFlow has {known}. For '
+                       'logical CPU devices call tf.config.set_logical_device_configuration '
+                       'first; for a cluster, connect to it first.')
+
+
 def StageDevices(num_stages, devices=None, allow_reuse=False, num_replicas=1):
   """One device name per stage of each replica, replica-major.
 
@@ -46,6 +76,8 @@ def StageDevices(num_stages, devices=None, allow_reuse=False, num_replicas=1):
   """
   explicit = devices is not None
   devices = list(devices) if explicit else AvailableDevices()
+  if explicit:
+    CheckDevicesExist(devices)
   needed = num_stages * num_replicas
   if not devices:
     raise ValueError('No devices to place pipeline stages on.')

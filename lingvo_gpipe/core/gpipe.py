@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import devices as devices_lib
+from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import metrics as metrics_lib
 from lingvo_gpipe.core import microbatch
@@ -69,7 +70,14 @@ def _CastFloats(structure, dtype):
 
 
 class FeatureExtractionLayer(layers.SequentialLayer):
-  """A pipeline cell: layers run in order, some of whose outputs are exported."""
+  """A pipeline cell: layers run in order, some of whose outputs are exported.
+
+  Transparent (base_layer): a cell only says where the cut falls, so its layers
+  are named as the pipeline's ('pipe/layer3/w' in any cell), and a model cut
+  otherwise has the same variables, initial values, dropout masks and checkpoint.
+  """
+
+  TRANSPARENT = True
 
   @classmethod
   def Params(cls):
@@ -144,32 +152,38 @@ class _CellSteps:
 
   A schedule step is then one call op: unrolling K=4 cells over M=32 inline
   made 80k ops and minutes of tracing. `_noinline` stops TensorFlow from
-  inlining the calls back before it optimizes the graph. The micro-batch index
-  and step are tensor arguments, so one trace serves every micro-batch.
+  inlining the calls back before it optimizes the graph. Where the micro-batch
+  sits in the batch and the step are tensor arguments, so one trace serves
+  every micro-batch; batch-norm statistics come back keyed by layer path, so
+  no trace leaves state behind that another trace's calls would rely on.
   """
 
   def __init__(self, layer, k, device):
     self._layer = layer
     self._k = k
     self._device = device
-    self._update_layers = []
     self._clock = None
     options = dict(autograph=False, experimental_attributes={'_noinline': True})
     self._forward = tf.function(self._Forward, **options)
     self._backward = tf.function(self._Backward, **options)
 
-  def _Forward(self, theta, args, micro_batch, step, training):
-    updates = []
-    with tf.device(self._device), py_utils.Context(
-        training=training, micro_batch=micro_batch, step=step, updates=updates):
-      out, acts = self._layer.CellFProp(self._k, theta, args)
-    self._update_layers = [layer for layer, _ in updates]
-    return out, acts, [stats for _, stats in updates]
+  def _Context(self, where, training, updates):
+    offset, size, step = where
+    batch_slice = py_utils.BatchSlice(offset, size, self._layer.params.batch_dim)
+    return py_utils.Context(training=training, step=step, batch_slice=batch_slice,
+                            updates=updates)
 
-  def _Backward(self, theta, args, grads_in, theta_grads, micro_batch, step, training,
-                measure):
-    with tf.device(self._device), py_utils.Context(
-        training=training, micro_batch=micro_batch, step=step, updates=[]):
+  def _Forward(self, theta, args, where, training):
+    updates = []
+    with tf.device(self._device), self._Context(where, training, updates):
+      out, acts = self._layer.CellFProp(self._k, theta, args)
+    stats = {}
+    for layer, layer_stats in updates:
+      stats.setdefault(layer.path, []).append(layer_stats)
+    return out, acts, stats
+
+  def _Backward(self, theta, args, grads_in, theta_grads, where, training, measure):
+    with tf.device(self._device), self._Context(where, training, []):
       with tf.GradientTape(watch_accessed_variables=False) as tape:
         _Watch(tape, theta, args)
         out, acts = self._layer.CellFProp(self._k, theta, args)
@@ -186,25 +200,28 @@ class _CellSteps:
     return self._clock
 
   @staticmethod
-  def _ContextArgs():
-    ctx = py_utils.CurrentContext()
+  def _Variable(x):
     # Grappler specializes a function for each call with constant inputs (here:
-    # the micro-batch index), which for K x M calls takes minutes; grappler does
+    # the micro-batch offset), which for K x M calls takes minutes; grappler does
     # not fold a PlaceholderWithDefault, so adding one (0) keeps inputs variable.
     zero = tf.raw_ops.PlaceholderWithDefault(input=tf.constant(0, tf.int64), shape=[])
-    return (zero + tf.cast(ctx.micro_batch, tf.int64), zero + tf.cast(ctx.step, tf.int64),
-            ctx.training)
+    return zero + tf.cast(x, tf.int64)
 
-  def Forward(self, theta, args):
-    """(outputs, activations, [(layer, stats)]) of the cell in the current context."""
-    out, acts, stats = self._forward(theta, args, *self._ContextArgs())
-    return out, acts, list(zip(self._update_layers, stats))
+  def Forward(self, theta, args, where, training):
+    """(outputs, activations, [(layer, stats)]) of the cell.
 
-  def Backward(self, theta, args, grads_in, theta_grads):
+    where: (offset of the micro-batch in the whole batch, its size, step).
+    """
+    out, acts, stats = self._forward(theta, args, tuple(map(self._Variable, where)), training)
+    by_path = self._layer.cell[self._k].LayersByPath()
+    return out, acts, [(by_path[path], s) for path in sorted(stats) for s in stats[path]]
+
+  def Backward(self, theta, args, grads_in, theta_grads, where, training):
     """(input grads, theta_grads + this micro-batch's theta grads, time the recompute
     ended or None) of the cell; the sum happens inside the call, one op per step."""
     measure = py_utils.CurrentContext().step_stats is not None
-    return self._backward(theta, args, grads_in, theta_grads, *self._ContextArgs(), measure)
+    return self._backward(theta, args, grads_in, theta_grads,
+                          tuple(map(self._Variable, where)), training, measure)
 
 
 class _Run:
@@ -215,9 +232,14 @@ class _Run:
   their backward, and each stage's running sum of weight gradients.
   """
 
-  def __init__(self, layer, replica, thetas, micro_args, remat, keep_inputs=True):
+  def __init__(self, layer, replica, thetas, micro_args, remat, keep_inputs, step,
+               first_example):
     self.layer = layer
     self.replica = replica
+    self.training = py_utils.CurrentContext().training
+    self.step = step  # Kept here: a backward runs when the tape asks, maybe out of context.
+    self.first_example = first_example
+    self.micro_batch_size = microbatch.BatchSize(micro_args[0], layer.params.batch_dim)
     self.devices = layer.ReplicaDevices(replica)
     self.cell_steps = layer.cell_steps[replica]
     self.thetas = thetas
@@ -244,8 +266,15 @@ class _Run:
     if self.layer.num_replicas > 1:
       scope.enter_context(tf.name_scope(f'replica{self.replica}'))
     scope.enter_context(tf.name_scope(f'stage{stage}_{kind}{m}'))
-    scope.enter_context(py_utils.Context(micro_batch=m))
+    offset, size, step = self._Where(m)
+    scope.enter_context(py_utils.Context(
+        training=self.training, step=step,
+        batch_slice=py_utils.BatchSlice(offset, size, self.layer.params.batch_dim)))
     return scope
+
+  def _Where(self, m):
+    """(offset of micro-batch m in the whole batch, its size, step): what random ops need."""
+    return (self.first_example + m * self.micro_batch_size, self.micro_batch_size, self.step)
 
   def _StartStamp(self, stage, inputs):
     """When measuring: (the time the step's inputs are ready, the inputs made to wait
@@ -281,7 +310,8 @@ class _Run:
       args = _After(self.tokens[k], self.inputs[key])
       start, args = self._StartStamp(k, args)
       if self._Remat(m):
-        out, acts, updates = self.cell_steps[k].Forward(self.thetas[k], args)
+        out, acts, updates = self.cell_steps[k].Forward(self.thetas[k], args, self._Where(m),
+                                                        self.training)
         if not self.keep_inputs:
           del self.inputs[key]
       else:
@@ -323,7 +353,7 @@ class _Run:
         args, grads_in = _After(waits, (self.inputs.pop(key), grads_in))
         start, (args, grads_in) = self._StartStamp(k, (args, grads_in))
         d_args, self.theta_grads[k], recomputed = self.cell_steps[k].Backward(
-            self.thetas[k], args, grads_in, self.theta_grads[k])
+            self.thetas[k], args, grads_in, self.theta_grads[k], self._Where(m), self.training)
       end = self._Record(k, schedule_lib.BACKWARD, m, start, (d_args, self.theta_grads[k]),
                    recomputed)
     self.tokens[k] = tf.nest.flatten(self.theta_grads[k]) + end
@@ -377,14 +407,16 @@ class _Replicas:
   whole batch. With R = 1 this is just the one _Run.
   """
 
-  def __init__(self, layer, thetas, args, num_micro_batches, remat, keep_inputs=True):
+  def __init__(self, layer, thetas, args, num_micro_batches, remat, step, keep_inputs=True):
     self._layer = layer
     batch_dim = layer.params.batch_dim
     parts = microbatch.Split(args, layer.num_replicas, batch_dim) if (
         layer.num_replicas > 1) else [args]
+    rows = microbatch.BatchSize(parts[0], batch_dim)
     self.runs = [
         _Run(layer, r, layer.ReplicaThetas(thetas, r),
-             microbatch.Split(part, num_micro_batches, batch_dim), remat, keep_inputs)
+             microbatch.Split(part, num_micro_batches, batch_dim), remat, keep_inputs, step,
+             first_example=r * rows)
         for r, part in enumerate(parts)]
 
   def Execute(self, steps):
@@ -468,6 +500,10 @@ class PipeliningLayer(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.params
+    if not isinstance(p.cell_tpl, (list, tuple)) or not all(
+        isinstance(c, hyperparams.InstantiableParams) for c in p.cell_tpl):
+      raise ValueError(f'PipeliningLayer {self.path!r}: cell_tpl must be a list of layer '
+                       f'params, one per stage; got {type(p.cell_tpl).__name__}.')
     if not p.cell_tpl:
       raise ValueError(f'PipeliningLayer {self.path!r}: cell_tpl is empty; give one cell '
                        'params per stage.')
@@ -566,7 +602,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     if py_utils.CurrentContext().training:
       outputs, acts = self._DifferentiablePipeline(thetas, args, num)
     else:
-      run = _Replicas(self, thetas, args, num, remat='always', keep_inputs=False)
+      run = _Replicas(self, thetas, args, num, remat='always', step=0, keep_inputs=False)
       run.Execute(schedule_lib.Schedule('gpipe', self.num_stages, num).ForwardSteps())
       outputs, acts = run.MergedOutputs()
     return self._Result(outputs, acts)
@@ -583,8 +619,11 @@ class PipeliningLayer(base_layer.BaseLayer):
         (value, weight) pair (value is a mean over weight items), or a NestedMap
         of such metrics holding 'loss'. 'gpipe' calls it once on the whole
         batch; '1f1b' calls it on each micro-batch as soon as it leaves the last
-        stage, so the loss must decompose: micro-batch values merge as
-        sum(value * weight) / sum(weight), a scalar having weight 1.
+        stage, so the loss must decompose, and every schedule gives the same
+        loss and gradients: (value, weight) pairs merge as sum(value * weight) /
+        sum(weight); a bare scalar must be the sum or the mean of its
+        micro-batch values, which a probe on random outputs tells, else it is
+        refused with a ValueError (metrics.MicroBatchLoss).
 
     Returns:
       (loss, grads), grads a NestedMap shaped like theta; if loss_fn returns a
@@ -593,7 +632,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     args, before_tape = self._BeforeWithTape(theta, _AsArgs(inputs))
     num = self.NumMicroBatches(microbatch.BatchSize(args, self.params.batch_dim))
     sched = schedule_lib.Schedule(self.params.schedule, self.num_stages, num)
-    run = _Replicas(self, self._StageThetas(theta), args, num, self.params.remat)
+    run = _Replicas(self, self._StageThetas(theta), args, num, self.params.remat,
+                    self._Step())
     metrics = []  # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
     if self.params.schedule == 'gpipe':
       run.Execute(sched.ForwardSteps())
@@ -604,8 +644,10 @@ class PipeliningLayer(base_layer.BaseLayer):
       run.SetOutputGradients(d_outputs, d_acts)
       run.Execute(sched.BackwardSteps())
     else:
-      run.SetLossGradFn(
-          lambda one_run, m: metrics.append(self._MicroBatchLossGradients(one_run, loss_fn, m)))
+      micro_loss_fn = metrics_lib.MicroBatchLoss(loss_fn, num * self.num_replicas,
+                                                 self.params.batch_dim, self.params.schedule)
+      run.SetLossGradFn(lambda one_run, m: metrics.append(
+          self._MicroBatchLossGradients(one_run, micro_loss_fn, m)))
       run.Execute(sched.steps)
     base_layer.ApplyRecordedUpdates(run.updates)
     merged = metrics_lib.MergeMetrics([m for m, _ in metrics])
@@ -617,6 +659,11 @@ class PipeliningLayer(base_layer.BaseLayer):
     return (merged if metrics[0][1] else merged.loss[0]), grads
 
   # -- internals -------------------------------------------------------------------
+
+  def _Step(self):
+    """This training pass's step (BaseLayer.TrainingStep), read once for all its cells."""
+    with tf.device(self._devices[0]):
+      return tf.cast(self.TrainingStep(), tf.int64)
 
   def _Result(self, outputs, acts):
     """Unwraps a single output from its argument tuple; appends fetched activations."""
@@ -693,6 +740,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       raise ValueError(f"FProp under a gradient tape runs the 'gpipe' schedule; with "
                        f"schedule={self.params.schedule!r} use ForwardBackward.")
     sched = schedule_lib.Schedule('gpipe', self.num_stages, num)
+    step = self._Step()
     flat_theta, flat_args = tf.nest.flatten(thetas), tf.nest.flatten(args)
     arg_pos = [i for i, x in enumerate(flat_args) if isinstance(x, tf.Tensor)]
     box = {}
@@ -703,7 +751,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       stopped = [tf.stop_gradient(x) for x in tensors]
       run_args = _Replaced(flat_args, arg_pos, stopped[len(flat_theta):])
       run = _Replicas(self, tf.nest.pack_sequence_as(thetas, stopped[:len(flat_theta)]),
-                      tf.nest.pack_sequence_as(args, run_args), num, self.params.remat)
+                      tf.nest.pack_sequence_as(args, run_args), num, self.params.remat, step)
       run.Execute(sched.ForwardSteps())
       structure = run.MergedOutputs()
       flat_out = tf.nest.flatten(structure)

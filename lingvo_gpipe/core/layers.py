@@ -406,10 +406,13 @@ class SimpleFullSoftmax(base_layer.BaseLayer):
 
 
 class DropoutLayer(base_layer.BaseLayer):
-  """Stateless dropout: the mask is a function of (layer, step, micro-batch).
+  """Stateless dropout: the mask is a function of (layer, step, example).
 
-  A recomputed forward in the same FProp context therefore drops the same units.
-  It is the identity in eval mode or when keep_prob is 1.
+  Each example's mask is its part of the whole batch's (py_utils.BatchUniform),
+  so any cut, number of micro-batches or replicas drops the same units, and a
+  recomputed forward drops them again. The step is the context's, else the
+  layer's count of its training calls (BaseLayer.TrainingStep). It is the
+  identity in eval mode or when keep_prob is 1.
   """
 
   @classmethod
@@ -429,8 +432,8 @@ class DropoutLayer(base_layer.BaseLayer):
     keep_prob = self.params.keep_prob
     if keep_prob == 1.0 or not py_utils.CurrentContext().training:
       return x
-    return tf.nn.experimental.stateless_dropout(
-        x, rate=1.0 - keep_prob, seed=py_utils.StepSeed(self.layer_seed))
+    noise = py_utils.BatchUniform(self.layer_seed, self.TrainingStep(), x)
+    return tf.where(noise < keep_prob, x / tf.cast(keep_prob, x.dtype), tf.zeros_like(x))
 
   @classmethod
   def FPropMeta(cls, params, input_shape):

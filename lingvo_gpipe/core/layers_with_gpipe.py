@@ -31,9 +31,9 @@ wraps exactly this, with metrics as the loss_fn):
   stack = p.Instantiate()
   loss, grads = stack.ForwardBackward(stack.theta, NestedMap(tgt=batch), loss_fn)
 
-Initial weights and dropout masks depend on each variable's and layer's path,
-which includes its cell: the same stack split differently starts from other
-weights. To compare splits, copy weights by the path below the cell.
+Initial weights, dropout masks and checkpoint keys depend on each variable's
+and layer's path without its cell ('stack/dec3/ff/fc1/w'): the same stack cut
+into other stages, micro-batches or replicas is the same model.
 """
 
 import tensorflow as tf

@@ -210,18 +210,32 @@ class FPropContext:
   """What a forward pass may depend on besides theta and its inputs.
 
   training: dropout and batch-norm statistics on (True) or off (False).
-  step: the global step (int or scalar tensor), for stateless random seeds.
-  micro_batch: the integer index of the micro-batch being computed.
+  step: the step seeding random ops (int or scalar tensor); None lets the
+    called layer count its own calls (BaseLayer.TrainingStep).
+  batch_slice: where the examples being computed sit in the step's whole
+    batch, so that random ops draw per example whatever the micro-batching.
   updates: a list that collects batch-norm statistics, or None to apply them
     at once; the pipeline sets it so recomputed forwards update nothing twice.
   step_stats: a list that pipelines append one timing record per schedule step
     to (opt-in measurement), or None not to measure.
   """
   training: bool = True
-  step: object = 0
-  micro_batch: int = 0
+  step: object = None
+  batch_slice: object = None
   updates: object = None
   step_stats: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSlice:
+  """Examples [offset, offset + size) of a whole batch along dimension batch_dim.
+
+  offset and size may be tensors. Outside a pipeline (None in the context) a
+  layer computes the whole batch.
+  """
+  offset: object
+  size: object
+  batch_dim: int = 0
 
 
 _CONTEXT = contextvars.ContextVar('lingvo_gpipe_fprop_context', default=FPropContext())
@@ -247,13 +261,40 @@ def EvalMode():
   return Context(training=False)
 
 
-def StepSeed(layer_seed):
-  """Stateless seed for random ops of one layer at this step and micro-batch.
+# Philox, the generator of tf.random.stateless_uniform, makes 4 float32 numbers per
+# counter value, in order; a seed's counter starts at [0, c] (StatelessRandomGetKeyCounter).
+_PHILOX = 1
+_FLOATS_PER_COUNTER = 4
 
-  Folding in integers (never float-carried ids) keeps every micro-batch's seed
-  distinct and makes a recomputed forward draw the very same numbers.
+
+def BatchUniform(layer_seed, step, like):
+  """Uniform [0, 1) float32 noise shaped like tensor `like`, for the context's BatchSlice.
+
+  The numbers are those of tf.random.stateless_uniform over the whole batch
+  (batch dimension first) at these examples' positions: a micro-batch draws its
+  part of the whole batch's noise, so dropout masks are the same for any number
+  of micro-batches, replicas or stages, and a recomputed forward draws them
+  again. Each (layer_seed, step) gives another stream. `like` must hold the
+  slice's examples along the batch dimension, in batch-major order.
   """
-  ctx = CurrentContext()
-  seed = tf.constant([int(layer_seed) & 0x7FFFFFFF, 0], dtype=tf.int64)
-  seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.step, tf.int64))
-  return tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.micro_batch, tf.int64))
+  where = CurrentContext().batch_slice or BatchSlice(0, None)
+  rank = like.shape.rank
+  if where.batch_dim >= rank:
+    raise ValueError(f'Random noise for a tensor of shape {like.shape} needs its batch '
+                     f'dimension {where.batch_dim}.')
+  perm = [where.batch_dim] + [d for d in range(rank) if d != where.batch_dim]
+  shape = tf.gather(tf.shape(like, out_type=tf.int64), perm)
+  size = tf.reduce_prod(shape)
+  rows = shape[0] if where.size is None else tf.cast(where.size, tf.int64)
+  start = tf.cast(where.offset, tf.int64) * (size // rows)
+  skip = start % _FLOATS_PER_COUNTER
+  seed = tf.random.experimental.stateless_fold_in(
+      tf.constant([int(layer_seed) & 0x7FFFFFFF, 0], tf.int64), tf.cast(step, tf.int64))
+  key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
+  counter += tf.stack([tf.cast(start // _FLOATS_PER_COUNTER, tf.uint64),
+                       tf.constant(0, tf.uint64)])
+  flat = tf.raw_ops.StatelessRandomUniformV2(
+      shape=tf.reshape(size + skip, [1]), key=key, counter=counter, alg=_PHILOX,
+      dtype=tf.float32)
+  noise = tf.reshape(flat[skip:], shape)
+  return tf.transpose(noise, tf.argsort(perm)) if where.batch_dim else noise
