@@ -34,6 +34,15 @@ def TrainParams():
   return p
 
 
+def _CheckTrainParams(where, t):
+  """Raises a ValueError naming a learning rate or clipping value no run can use."""
+  for key in ('learning_rate', 'clip_gradient_norm_to_value'):
+    value = t.Get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        0 <= value < float('inf')):
+      raise ValueError(f'{where}.train.{key}={value!r}: expected a finite number >= 0.')
+
+
 class BaseTask(base_layer.BaseLayer):
   """Base class of tasks."""
 
@@ -42,6 +51,10 @@ class BaseTask(base_layer.BaseLayer):
     p = super().Params()
     p.Define('train', TrainParams(), 'Training settings of this task.')
     return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    _CheckTrainParams(self.path, self.params.train)
 
   def ComputePredictions(self, theta, input_batch):
     """Predictions (a NestedMap) of the batch."""
@@ -79,3 +92,34 @@ class BaseTask(base_layer.BaseLayer):
     """Predictions for serving: evaluation mode, no loss."""
     with py_utils.EvalMode():
       return self.ComputePredictions(theta, input_batch)
+
+
+class SingleTaskModel(base_layer.BaseLayer):
+  """What `model_registry.GetParams(key, dataset).Instantiate()` builds: the task.
+
+  Transparent (base_layer): the task's variables are named as when it is built
+  alone ('lm/stack/...'), so checkpoints do not depend on how it was built.
+  """
+
+  TRANSPARENT = True
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('task', None, 'Params of the task.')
+    p.Define('train', None, 'Training-loop settings (max_steps, save_interval_steps, ...).')
+    p.Define('input', None, 'Input-generator params of the dataset being run.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    task = self.params.task
+    self._task = self.CreateChild(task.name, task)
+
+  @property
+  def task(self):
+    return self._task
+
+  def GetTask(self):
+    """The task (Lingvo's name)."""
+    return self._task

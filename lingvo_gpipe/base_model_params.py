@@ -27,6 +27,7 @@ Example (in a params file the class would also carry the registry decorator):
   32
 """
 
+from lingvo_gpipe import base_model
 from lingvo_gpipe.core import hyperparams
 
 # The datasets an experiment describes; each is a method of SingleTaskModelParams.
@@ -57,7 +58,7 @@ class SingleTaskModelParams:
     raise NotImplementedError(f'{type(self).__name__} must define Task().')
 
   def Model(self):
-    """The task wrapped with what a trainer needs to run it.
+    """The task wrapped with what a trainer needs to run it (SingleTaskModel params).
 
     `input` is left None here: model_registry.GetParams fills it with the
     params of the dataset being run.
@@ -71,9 +72,5 @@ class SingleTaskModelParams:
     train.Define('save_interval_steps', 1000, 'Steps between checkpoints.')
     train.Define('summary_interval_steps', 100, 'Steps between summaries.')
     train.Define('log_interval_steps', 100, 'Steps between log lines.')
-    p = hyperparams.Params()
-    p.Define('name', type(self).__name__, 'Name of the model in logs and checkpoints.')
-    p.Define('task', task, 'Params of the task.')
-    p.Define('train', train, 'Training-loop settings.')
-    p.Define('input', None, 'Input-generator params of the dataset being run.')
-    return p
+    return base_model.SingleTaskModel.Params().Set(name=type(self).__name__, task=task,
+                                                    train=train)

@@ -24,6 +24,7 @@ import tensorflow as tf
 from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import pipeline_stats as pipeline_stats_lib
 from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import pipeline_params
 
 # Splits override text at ';' outside quotes.
 _OVERRIDE_SEPARATOR = re.compile(r""";(?=(?:[^'"]|'[^']*'|"[^"]*")*$)""")
@@ -37,6 +38,17 @@ class NonFiniteError(UserError):
   """The loss or the gradients became NaN or Inf."""
 
 
+def CheckPipelineBatches(model_params):
+  """UserError naming both params if a pipeline of the task cannot split the input's batch."""
+  inputs = model_params.input
+  if not (isinstance(inputs, hyperparams.Params) and 'batch_size' in inputs):
+    return  # An input without a fixed batch size: the pipeline checks each batch.
+  try:
+    pipeline_params.CheckBatch(model_params.task, inputs.batch_size, 'input.batch_size', 'task')
+  except ValueError as e:
+    raise UserError(str(e)) from None
+
+
 def LoadModelParams(key, dataset, override='', max_steps=None):
   """Model params of `key` for `dataset`, with overrides and max_steps applied.
 
@@ -48,6 +60,11 @@ def LoadModelParams(key, dataset, override='', max_steps=None):
   except (LookupError, ImportError, ValueError) as e:
     raise UserError(str(e)) from None
   text = '\n'.join(_OVERRIDE_SEPARATOR.split(override))
+  for line in text.splitlines():
+    key = line.split(':', 1)[0].strip()
+    if key == 'task.input' or key.startswith('task.input.'):
+      raise UserError(f'model_params_override sets {key}, but the input that runs is the '
+                      f"model's input (the task gets a copy): set {key[len('task.'):]} instead.")
   try:
     params.FromText(text)
   except (AttributeError, IndexError, TypeError, ValueError) as e:

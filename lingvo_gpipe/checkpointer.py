@@ -6,6 +6,11 @@ files are complete, so the latest checkpoint always loads, wherever a run is
 killed. Each checkpoint also stores the model's signature (every variable's
 name, shape and dtype), so restoring one from a different model stops with a
 message naming the first difference, before anything is loaded or written.
+
+The model's variables are saved by name ('model/lm/stack/dec3/ff/fc1/w'), not
+by the Python objects that hold them, so the trainer and the Estimator write
+the same checkpoints, and a run resumes under any pipeline cut, schedule or
+placement (variable names do not depend on them: base_layer).
 """
 
 from absl import logging
@@ -49,6 +54,39 @@ def _SignatureDifference(theirs, ours):
   return differences[0] + more
 
 
+class _NameTree(tf.Module):
+  """Variables as a tree of their names' components, for tf.train.Checkpoint."""
+
+  def __init__(self, items):
+    super().__init__()
+    self._items = items
+
+  @classmethod
+  def FromVariables(cls, variables):
+    root = {}
+    for var in {v.ref(): v for v in variables}.values():
+      *parents, leaf = _VariableName(var).split('/')
+      node = root
+      for i, part in enumerate(parents):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+          raise ValueError(f'Variable {_VariableName(var)} lies below variable '
+                           f'{"/".join(parents[:i + 1])}: names must form a tree.')
+      if leaf in node:
+        raise ValueError(f'Two variables are named {_VariableName(var)} (or one names a '
+                         'scope of others).')
+      node[leaf] = var
+    return cls._Build(root)
+
+  @classmethod
+  def _Build(cls, node):
+    return cls({k: cls._Build(v) if isinstance(v, dict) else v for k, v in node.items()})
+
+  def _trackable_children(self, save_type='checkpoint', **kwargs):
+    del save_type, kwargs  # Checkpoints only.
+    return dict(self._items)
+
+
 class Checkpointer:
   """Saves and restores a model, its optimizer and the global step.
 
@@ -57,19 +95,19 @@ class Checkpointer:
 
   Args:
     directory: where ckpt-<step> files go.
-    model: the tf.Module whose variables make up the model.
+    variables: the model's variables (saved by name).
     global_step: the int64 global step variable; it numbers the checkpoints.
     optimizer: optional optimizer module (slots and counters).
     max_to_keep: how many recent checkpoints to keep.
   """
 
-  def __init__(self, directory, model, global_step, optimizer=None, max_to_keep=5):
+  def __init__(self, directory, variables, global_step, optimizer=None, max_to_keep=5):
     self._directory = directory
-    self._model = model
+    self._model = _NameTree.FromVariables(variables)
     self._global_step = global_step
     self._optimizer = optimizer
-    self._signature = ModelSignature(model.variables)
-    objects = {'model': model, 'global_step': global_step,
+    self._signature = ModelSignature(variables)
+    objects = {'model': self._model, 'global_step': global_step,
                _SIGNATURE: tf.Variable(self._signature, trainable=False, name=_SIGNATURE)}
     if optimizer is not None:
       objects['optimizer'] = optimizer

@@ -199,6 +199,8 @@ class Estimator:
     """An Estimator of registered experiment `key`'s task; batch sizes from its inputs."""
     model_params = {d: base_runner.LoadModelParams(key, d, model_params_override)
                     for d in base_model_params.DATASETS}
+    for params in model_params.values():
+      base_runner.CheckPipelineBatches(params)
     task_params = model_params['Train'].task
 
     def ModelFn(features, labels, mode, params):
@@ -323,7 +325,11 @@ class Estimator:
     features, labels = _Features(element)
     params = dict(self._params, batch_size=self._batch_sizes[mode])
     context = py_utils.EvalMode() if mode != ModeKeys.TRAIN else contextlib.nullcontext()
-    with context, self._store.Scope():
+    # The global step seeds random ops, also when model_fn is traced outside the training
+    # loop (which sets it); layers would otherwise count calls in variables of their own.
+    step = py_utils.CurrentContext().step
+    with context, py_utils.Context(step=self._global_step if step is None else step), \
+        self._store.Scope():
       spec = self._model_fn(features, labels, mode, params)
     if not isinstance(spec, EstimatorSpec):
       raise base_runner.UserError(f'model_fn returned {type(spec).__name__}, not an '
@@ -349,7 +355,7 @@ class Estimator:
 
   def _Checkpointer(self):
     return checkpointer_lib.Checkpointer(
-        self.model_dir, self._store, self._global_step,
+        self.model_dir, self._store.variables, self._global_step,
         self._learner.optimizer if self._learner else None,
         max_to_keep=self._config.keep_checkpoint_max)
 

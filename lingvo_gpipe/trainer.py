@@ -43,8 +43,7 @@ from lingvo_gpipe import base_runner
 from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import cluster as cluster_lib
 from lingvo_gpipe import learner as learner_lib
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import pipeline_params
 from lingvo_gpipe.core import planner
 from lingvo_gpipe.core import py_utils
 
@@ -161,32 +160,6 @@ class ClusterConfig:
                FLAGS.worker_timeout_secs)
 
 
-def _PipelineParams(params):
-  """The PipeliningLayer params within `params`, outermost first."""
-  if (isinstance(params, hyperparams.InstantiableParams) and isinstance(params.cls, type) and
-      issubclass(params.cls, gpipe.PipeliningLayer)):
-    yield params
-  for _, value in params.IterParams():
-    for child in value if isinstance(value, (list, tuple)) else [value]:
-      if isinstance(child, hyperparams.Params):
-        yield from _PipelineParams(child)
-
-
-def _Stages(pipeline_params):
-  """K of PipeliningLayer params: its cells, or the stages a stack's `splits` names."""
-  if pipeline_params.cell_tpl:
-    return len(pipeline_params.cell_tpl)
-  if 'splits' in pipeline_params:
-    splits = pipeline_params.splits
-    return splits if isinstance(splits, int) else len(splits)
-  return 0
-
-
-def NumStages(params):
-  """The largest number of pipeline stages that PipeliningLayer params within `params` name."""
-  return max((_Stages(p) for p in _PipelineParams(params)), default=0)
-
-
 def PlacePipelines(params, split_size, replicas):
   """Puts every pipeline of `params` that names no devices on splits of the available devices.
 
@@ -195,14 +168,15 @@ def PlacePipelines(params, split_size, replicas):
   code (not from its params) take the available devices by themselves, but
   cannot have replicas or a split size.
   """
-  pipelines = list(_PipelineParams(params))
+  pipelines = [p for _, p in pipeline_params.Find(params)]
   if not pipelines and (replicas > 1 or split_size):
     raise base_runner.UserError(
         '--worker_replicas and --worker_split_size apply to PipeliningLayer params, and the '
         "task's params hold none (it builds its pipelines in code).")
   for p in pipelines:
     if p.devices is None:
-      p.devices = cluster_lib.PipelineDevices(_Stages(p), replicas, split_size)
+      p.devices = cluster_lib.PipelineDevices(pipeline_params.NumStages(p), replicas,
+                                              split_size)
     p.num_replicas = replicas
 
 
@@ -244,7 +218,7 @@ def _MakeWritableDir(path):
 def _Instantiate(model_params, train_dir, with_learner=False):
   """(task, global step, Learner or None, Checkpointer of train_dir)."""
   try:
-    task = model_params.task.Instantiate()
+    task = model_params.Instantiate().task
   except ValueError as e:  # A bad config, e.g. from an override.
     raise base_runner.UserError(f'Cannot build the task: {e}') from None
   global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
@@ -252,7 +226,7 @@ def _Instantiate(model_params, train_dir, with_learner=False):
   if with_learner:
     learner = learner_lib.Learner(task.params.train, task.trainable_variables, global_step)
   checkpointer = checkpointer_lib.Checkpointer(
-      train_dir, task, global_step, learner and learner.optimizer,
+      train_dir, task.variables, global_step, learner and learner.optimizer,
       max_to_keep=FLAGS.checkpoint_max_to_keep)
   return task, global_step, learner, checkpointer
 
@@ -263,12 +237,14 @@ def _StepPlacement(on_cluster):
 
 
 def _ApplyBalanceFile(task_params, path):
-  """Cuts the task's pipelines by the plan at `path`."""
+  """Cuts the task's pipelines by the plan at `path`, with the M, schedule and remat it assumed."""
   try:
-    if not planner.ApplyPlan(task_params, planner.LoadPlan(path)):
-      raise ValueError('the model params hold no PipeliningLayer to cut.')
+    changes = planner.ApplyPlan(task_params, planner.LoadPlan(path), 'task')
   except ValueError as e:
     raise base_runner.UserError(f'--balance_file: {e}') from None
+  if changes:
+    logging.warning('--balance_file %s was planned for other settings; using its %s.', path,
+                    ', '.join(changes))
 
 
 def _PipelineStats(learner, forward_backward_fn, train_dir):
@@ -292,6 +268,7 @@ def RunTrainer(model_params, logdir, input_device=None):
       the first stage's host CPU: batches are made there, not sent from the
       client each step, and ops the model leaves unplaced stay with their inputs.
   """
+  base_runner.CheckPipelineBatches(model_params)
   train_dir = os.path.join(logdir, 'train')
   _MakeWritableDir(train_dir)
   task, global_step, learner, checkpointer = _Instantiate(model_params, train_dir,
@@ -340,6 +317,7 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
   if FLAGS.eval_timeout_secs is not None and FLAGS.eval_timeout_secs <= 0:
     raise base_runner.UserError(
         f'--eval_timeout_secs must be > 0, got {FLAGS.eval_timeout_secs:g}.')
+  base_runner.CheckPipelineBatches(model_params)
   train_dir = os.path.join(logdir, 'train')
   eval_dir = os.path.join(logdir, f'eval_{dataset_name.lower()}')
   task, global_step, _, checkpointer = _Instantiate(model_params, train_dir)
@@ -435,7 +413,7 @@ def _Run():
   if cluster.spec:
     RunClusterClient(model_params, cluster, dataset_name)
     return
-  split_size = cluster.worker_split_size or NumStages(model_params.task) or 4
+  split_size = cluster.worker_split_size or pipeline_params.MaxStages(model_params.task) or 4
   ConfigureLocalDevices(FLAGS.run_locally,
                         FLAGS.num_cpu_devices or cluster.worker_replicas * split_size)
   if cluster.worker_replicas > 1 or cluster.worker_split_size:

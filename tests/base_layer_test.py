@@ -183,3 +183,90 @@ def testUpdatesApplyAtOnceOrWhenCollected():
   assert layer.vars.seen.numpy() == 3 and len(updates) == 2
   base_layer.ApplyRecordedUpdates(updates)
   assert layer.vars.seen.numpy() == 10
+
+
+# -- identity: transparent groupings, checkpoint keys, the call count ----------------------
+
+
+class _Group(base_layer.BaseLayer):
+  """A transparent grouping of affine layers (as a pipeline cell is)."""
+
+  TRANSPARENT = True
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('names', ['a'], 'Names of the affine children.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateChildren('sub', [_Affine.Params().Set(name=n, input_dim=4)
+                                for n in self.params.names])
+
+
+class _Grouped(base_layer.BaseLayer):
+  """The same affine layers a0..a3 in groups of the given sizes."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('sizes', [4], 'Layers per group.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    starts = np.cumsum([0] + self.params.sizes)
+    self.CreateChildren('g', [_Group.Params().Set(names=[f'a{i}' for i in range(a, b)])
+                              for a, b in zip(starts, starts[1:])])
+
+
+def testTransparentGroupsAreNotPartOfNamesSeedsOrCheckpoints(tmp_path):
+  one, two = (_Grouped.Params().Set(name='m', sizes=s).Instantiate() for s in ([4], [1, 3]))
+  assert one.g[0].path == 'm/g0' and one.g[0].scope == 'm'
+  assert one.g[0].sub[2].path == two.g[1].sub[1].path == 'm/a2'
+  for a, b in zip(one.variables, two.variables):
+    assert a.name == b.name and np.array_equal(a.numpy(), b.numpy())
+  assert sorted(one.IdentityItems()) == ['a0', 'a1', 'a2', 'a3']
+  path = tf.train.Checkpoint(model=one).save(str(tmp_path / 'ckpt'))
+  keys = {k for k, _ in tf.train.list_variables(path)}
+  assert 'model/a3/w/.ATTRIBUTES/VARIABLE_VALUE' in keys
+  for v in two.variables:
+    v.assign(tf.zeros_like(v))
+  tf.train.Checkpoint(model=two).restore(path).assert_consumed()
+  for a, b in zip(one.variables, two.variables):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+  assert set(one.LayersByPath()) == {'m', 'm/g0', 'm/a0', 'm/a1', 'm/a2', 'm/a3'}
+
+
+class _DuplicateGroups(base_layer.BaseLayer):
+  """Two groups that both hold a layer a0: after the groups vanish, one name for two layers."""
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateChildren('g', [_Group.Params().Set(names=['a0']) for _ in range(2)])
+
+
+def testNamesMustBeUniqueAcrossTransparentGroups():
+  with pytest.raises(ValueError, match=r'two layers or variables are named m/a0'):
+    _DuplicateGroups.Params().Set(name='m').Instantiate()
+
+
+def testATransparentLayerOwnsNoVariables():
+  class Bad(_Group):
+
+    def __init__(self, params):
+      super().__init__(params)
+      self.CreateVariable('w', py_utils.WeightParams([1]))
+
+  with pytest.raises(ValueError, match='groups layers and cannot own variable'):
+    Bad.Params().Set(name='bad').Instantiate()
+
+
+def testTrainingStepIsTheContextsElseTheCallCount():
+  layer = _Affine.Params().Set(name='l').Instantiate()
+  with py_utils.Context(step=7):
+    assert int(layer.TrainingStep()) == 7
+  assert [int(layer.TrainingStep()) for _ in range(2)] == [0, 1]
+  assert int(tf.function(layer.TrainingStep)()) == 2
+  assert not any('call_count' in v.name for v in layer.variables)

@@ -407,6 +407,136 @@ def testBatchNormMovingStatisticsEqualWholeBatch():
       parts = [cell.sub[1].FProp(th.sub[1], r) for r in res_parts]
 
 
+def _BnPipe(num_micro_batches=4):
+  """Two cells of [_Res, BatchNorm] (fresh BN paths per cell) and the plain layer list."""
+  bn = layers.BatchNormLayer.Params().Set(dim=DIM, decay=0.5)
+  layer_params = [_Res.Params().Set(name='r0'), bn.Copy().Set(name='bn0'),
+                  _Res.Params().Set(name='r1'), bn.Copy().Set(name='bn1')]
+  return gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=gpipe.CellsFromEnds(layer_params, [2, 4]),
+      num_micro_batches=num_micro_batches).Instantiate()
+
+
+def _DropoutPipe():
+  """(2-stage pipeline of M=4 over two dropout blocks c0, c1; their layer params)."""
+  layer_params = [_DropoutCell().Set(name=f'c{k}') for k in range(2)]
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=gpipe.CellsFromEnds(layer_params, [1, 2]),
+      num_micro_batches=4).Instantiate()
+  return pipe, layer_params
+
+
+def testBatchNormStatisticsKeepUpdatingAfterAnEvalPass():
+  """Regression: eval retraced the cell functions and training then dropped its statistics.
+
+  Each training step must move the moving mean exactly as the whole batch's mean says.
+  """
+  pipe = _BnPipe()
+  bn = pipe.cell[0].sub[1]
+  res, res_theta = pipe.cell[0].sub[0], pipe.theta.cell[0].sub[0]
+
+  def Train(x):
+    before = bn.vars.moving_mean.numpy()
+    with tf.GradientTape() as tape:
+      loss = _Loss(pipe(x))
+    tape.gradient(loss, pipe.trainable_variables)
+    mean = tf.reduce_mean(res.FProp(res_theta, x), axis=0).numpy()
+    np.testing.assert_allclose(bn.vars.moving_mean.numpy(), 0.5 * before + 0.5 * mean,
+                               rtol=1e-5, atol=1e-6)
+
+  for seed in range(2):
+    Train(_Input(seed))
+  with py_utils.EvalMode():
+    pipe(_Input(5))
+  for seed in range(2, 4):
+    Train(_Input(seed))
+
+
+def testDropoutDrawsNewMasksInAUsersOwnLoopAndMatchesThePlainLayers():
+  """No context step: each training call of the pipeline draws the masks of its call count,
+  as the same plain layers do, and its recompute redraws them (gradients match)."""
+  pipe, layer_params = _DropoutPipe()
+  plain = layers.SequentialLayer.Params().Set(name='pipe', sub=layer_params).Instantiate()
+  x = _Input()
+  outputs = []
+  for _ in range(2):
+    with tf.GradientTape() as tape:
+      out = pipe(x)
+      loss = _Loss(out)
+    grads = tape.gradient(loss, pipe.trainable_variables)
+    with tf.GradientTape() as tape:
+      ref = plain(x)
+      ref_loss = _Loss(ref)
+    ref_grads = tape.gradient(ref_loss, plain.trainable_variables)
+    assert _RelErr(out, ref) <= 1e-5
+    _AssertGradsClose(grads, ref_grads)
+    outputs.append(out.numpy())
+  assert not np.allclose(outputs[0], outputs[1])
+
+
+def testRecomputeUsesTheStepOfItsForwardWhereverTheTapeIsAsked():
+  pipe, _ = _DropoutPipe()
+  x = _Input()
+  with tf.GradientTape() as tape:
+    with py_utils.Context(step=7):
+      loss = _Loss(pipe(x))
+  grads = tape.gradient(loss, pipe.trainable_variables)  # Outside the step's context.
+  with py_utils.Context(step=7):
+    _, want = pipe.ForwardBackward(pipe.theta, x, _Loss)
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(want))}
+  _AssertGradsClose(grads, [by_name[v.name] for v in pipe.trainable_variables])
+
+
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testEveryScheduleGivesTheWholeBatchLossOfAScalarSumOrMean(sched):
+  for loss_fn in (lambda y: tf.reduce_sum(y ** 2), lambda y: tf.reduce_mean(y ** 2)):
+    pipe = _Pipe(2, 4, sched=sched)
+    x = _Input()
+    with tf.GradientTape() as tape:
+      ref_loss = loss_fn(_Reference(pipe, x))
+    ref_grads = tape.gradient(ref_loss, pipe.trainable_variables)
+    loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn)
+    assert _RelErr(loss, ref_loss) <= 1e-5
+    by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+    _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
+
+
+def testAMicroBatchScheduleRefusesALossThatDoesNotDecompose():
+  pipe = _Pipe(2, 4, sched='1f1b')
+  x = _Input()
+  with pytest.raises(ValueError, match=r"'loss' on a whole batch .* is neither the sum"):
+    pipe.ForwardBackward(pipe.theta, x, tf.reduce_max)
+  labels = tf.zeros([BATCH, DIM])  # A whole-batch tensor inside a per-micro-batch loss.
+
+  @tf.function
+  def Step(x):
+    return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean((y - labels) ** 2))
+
+  with pytest.raises(ValueError, match='calls loss_fn on each micro-batch'):
+    Step(x)
+
+
+def testBadCellsAndDevicesAreClearErrors():
+  with pytest.raises(ValueError, match=r'cell_tpl must be a list of layer params, one per '
+                     r'stage; got InstantiableParams'):
+    gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=_Res.Params()).Instantiate()
+  cells = [_Res.Params().Set(name=f'cell{k}') for k in range(2)]
+  with pytest.raises(ValueError, match=r"Device '/device:GPU:3' does not exist here"):
+    gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells,
+                                       devices=['/device:CPU:0', '/device:GPU:3']).Instantiate()
+
+
+def testACheckpointRestoresIntoAnotherCut(tmp_path):
+  two, four = _Pipe(2, 2), _Pipe(4, 8)
+  x = _Input()
+  np.testing.assert_array_equal(two(x).numpy(), four(x).numpy())  # Same initial weights.
+  for v in two.trainable_variables:
+    v.assign_add(tf.ones_like(v))
+  path = tf.train.Checkpoint(model=two).save(str(tmp_path / 'ckpt'))
+  tf.train.Checkpoint(model=four).restore(path).assert_consumed()
+  assert _RelErr(four(x), two(x)) <= 1e-6
+
+
 def testEvalPathPipelinesForwardWithoutUpdates():
   bn = layers.BatchNormLayer.Params().Set(dim=DIM)
   cells = [layers.SequentialLayer.Params().Set(name=f'cell{k}', sub=[_Res.Params(), bn])

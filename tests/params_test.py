@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from lingvo_gpipe import base_model
 from lingvo_gpipe import base_model_params
 from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import py_utils
@@ -29,7 +30,8 @@ def testRegisteredWithDocumentedTrainDevTestInputs(key):
   assert cls.__doc__ and len(cls.__doc__.split()) > 8
   inputs = {d: model_registry.GetParams(key, d) for d in base_model_params.DATASETS}
   for dataset, p in inputs.items():
-    assert {name for name, _ in p.IterParams()} == {'name', 'task', 'train', 'input'}
+    assert p.cls is base_model.SingleTaskModel  # So p.Instantiate() builds the model.
+    assert {'name', 'task', 'train', 'input'} <= {name for name, _ in p.IterParams()}
     assert p.name == cls.__name__
     if dataset != 'Train':
       assert p.input.num_batches, f'{dataset} must be a finite pass'
@@ -67,3 +69,15 @@ def testByteLmReadsTheFileNamedByAnOverride(tmp_path):
   task = p.task.Instantiate()
   metrics, _ = task.ForwardBackward(task.theta, batch)
   assert metrics.loss[0].numpy() > np.log(256) - 1.0  # Untrained: about uniform over bytes.
+
+
+def testGetParamsInstantiatesTheModelAsLingvoDoes():
+  """GetParams(key, dataset).Instantiate() builds the model; its task is named as alone."""
+  key = 'lm.synthetic.GPipeTransformerLmTiny'
+  model = model_registry.GetParams(key, 'Train').Instantiate()
+  alone = model_registry.GetParams(key, 'Train').task.Instantiate()
+  assert model.GetTask() is model.task
+  assert [v.name for v in model.variables] == [v.name for v in alone.variables]
+  assert model.variables[0].name.startswith('lm/stack/')
+  for a, b in zip(model.variables, alone.variables):
+    np.testing.assert_array_equal(a.numpy(), b.numpy())

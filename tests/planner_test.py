@@ -13,12 +13,13 @@ from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import layers_with_gpipe
 from lingvo_gpipe.core import planner
+from lingvo_gpipe.core import profiler
 from lingvo_gpipe.core import simulator
 
 
 def _Profiles(seed, n):
   rng = np.random.default_rng(seed)
-  return [planner.LayerProfile(
+  return [profiler.LayerProfile(
       name=f'l{i}', forward_s=float(rng.uniform(1, 3)), backward_s=float(rng.uniform(2, 6)),
       param_bytes=int(rng.integers(10, 100)), input_bytes=int(rng.integers(1, 10)),
       activation_bytes=int(rng.integers(10, 50))) for i in range(n)]
@@ -63,7 +64,7 @@ def testPlanIsTheFastestSplitThatFitsByBruteForce(seed, remat):
 def testCapTradesSpeedForMemoryAndTooSmallACapIsAClearError():
   # Four equal-time layers, the first two holding most activations. The fastest split
   # is [2, 4] (102 bytes on stage 0); under a cap of 60 it is [1, 4] (52 and 54 bytes).
-  profiles = [planner.LayerProfile(f'l{i}', 1.0, 2.0, 0, 1, a)
+  profiles = [profiler.LayerProfile(f'l{i}', 1.0, 2.0, 0, 1, a)
               for i, a in enumerate([50, 50, 1, 1])]
   fastest = planner.MakePlan(profiles, 2, 2)
   assert fastest.ends == [2, 4] and fastest.StageMemory() == [102.0, 4.0]
@@ -75,7 +76,7 @@ def testCapTradesSpeedForMemoryAndTooSmallACapIsAClearError():
 
 
 def testOneFOneBHoldsFewerMicroBatches():
-  profiles = [planner.LayerProfile(f'l{i}', 1.0, 2.0, 0, 10, 0) for i in range(4)]
+  profiles = [profiler.LayerProfile(f'l{i}', 1.0, 2.0, 0, 10, 0) for i in range(4)]
   gpipe_plan = planner.MakePlan(profiles, 2, 8, schedule='gpipe')
   ofob_plan = planner.MakePlan(profiles, 2, 8, schedule='1f1b')
   assert gpipe_plan.StageMemory() == [80.0, 80.0]  # M=8 inputs of 10 bytes.
@@ -83,8 +84,8 @@ def testOneFOneBHoldsFewerMicroBatches():
 
 
 def testGluedLayerStaysWithTheLayerBefore():
-  profiles = [planner.LayerProfile(f'l{i}', 1.0, 1.0, 0, 1, 1) for i in range(4)]
-  profiles.append(planner.LayerProfile('softmax', 10.0, 10.0, 0, 1, 1))
+  profiles = [profiler.LayerProfile(f'l{i}', 1.0, 1.0, 0, 1, 1) for i in range(4)]
+  profiles.append(profiler.LayerProfile('softmax', 10.0, 10.0, 0, 1, 1))
   assert planner.MakePlan(profiles, 2, 4).ends == [4, 5]
   assert planner.MakePlan(profiles, 2, 4, glued=[4]).ends == [3, 5]
 
@@ -119,13 +120,16 @@ def _StackParams():
 def _PlanFor(names, ends):
   return planner.Plan(source='test', ends=ends, num_micro_batches=2, schedule='gpipe',
                       remat='always', optimizer_slots=2,
-                      layers=[planner.LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names])
+                      layers=[profiler.LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names])
 
 
 def testApplyPlanToAStackAndToCells():
-  p = _StackParams()
+  p = _StackParams().Set(num_micro_batches=4, schedule='1f1b')
   names = ['tgt_emb', 'dec0', 'dec1', 'dec2', 'softmax']
-  assert planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5])) == 1
+  # The plan's M, schedule and remat are applied and reported.
+  assert planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack') == [
+      "task.stack.num_micro_batches=2 (was 4)", "task.stack.schedule='gpipe' (was '1f1b')"]
+  assert (p.num_micro_batches, p.schedule) == (2, 'gpipe')
   stack = p.Instantiate()
   assert [[layer.params.name for layer in cell.sub] for cell in stack.cell] == [
       ['tgt_emb'], ['dec0', 'dec1'], ['dec2', 'softmax']]
@@ -133,11 +137,13 @@ def testApplyPlanToAStackAndToCells():
   cells = gpipe.CellsFromEnds(
       [layers.ProjectionLayer.Params().Set(name=f'p{i}', input_dim=4, output_dim=4)
        for i in range(4)], [2, 4])
-  pipe = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells)
-  assert planner.ApplyPlan(pipe, _PlanFor(['p0', 'p1', 'p2', 'p3'], [1, 3, 4])) == 1
+  pipe = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells, num_micro_batches=2)
+  assert planner.ApplyPlan(pipe, _PlanFor(['p0', 'p1', 'p2', 'p3'], [1, 3, 4])) == []
   assert [[q.name for q in c.sub] for c in pipe.cell_tpl] == [['p0'], ['p1', 'p2'], ['p3']]
   with pytest.raises(ValueError, match=r"is for layers \['a', 'b'\], but pipe has"):
     planner.ApplyPlan(pipe, _PlanFor(['a', 'b'], [1, 2]))
+  with pytest.raises(ValueError, match='no PipeliningLayer'):
+    planner.ApplyPlan(layers.ProjectionLayer.Params(), _PlanFor(['a'], [1]))
 
 
 def testProfileLayersMeasuresBytesExactly():
@@ -145,8 +151,8 @@ def testProfileLayersMeasuresBytesExactly():
   layer_params = [layers.ProjectionLayer.Params().Set(name=f'p{i}', input_dim=a, output_dim=b)
                   for i, (a, b) in enumerate(zip(dims, dims[1:]))]
   seen = []
-  profiles = planner.ProfileLayers(layer_params, tf.TensorSpec([1, 8]), batch_size=32,
-                                   repeats=2, progress=lambda i, n, p: seen.append((i, n)))
+  profiles = profiler.ProfileLayers(layer_params, tf.TensorSpec([1, 8]), batch_size=32,
+                                    repeats=2, progress=lambda i, n, p: seen.append((i, n)))
   assert seen == [(0, 2), (1, 2)]
   assert [p.name for p in profiles] == ['p0', 'p1']
   assert [p.param_bytes for p in profiles] == [4 * (8 * 16 + 16), 4 * (16 * 4 + 4)]
@@ -157,7 +163,7 @@ def testProfileLayersMeasuresBytesExactly():
 
 def testStackProfilesGlueTheSoftmaxAndTheTrainerTakesThePlan(tmp_path):
   p = _StackParams()
-  profiles, glued = planner.StackProfiles(p, batch_size=2, repeats=1)
+  profiles, glued = planner.PipelineProfiles(p, batch_size=2, repeats=1)
   assert [q.name for q in profiles] == ['tgt_emb', 'dec0', 'dec1', 'dec2', 'softmax']
   assert glued == [4]
   plan = planner.MakePlan(profiles, 3, 2, glued=glued, source='test')
@@ -174,7 +180,7 @@ def testStackProfilesGlueTheSoftmaxAndTheTrainerTakesThePlan(tmp_path):
   assert "trainer: error: --balance_file: The balance plan of" in proc.stderr
   tiny = planner.Plan(
       source='tiny', ends=[2, 4], num_micro_batches=2, schedule='gpipe', remat='always',
-      optimizer_slots=2, layers=[planner.LayerProfile(n, 1.0, 1.0, 0, 0, 0)
+      optimizer_slots=2, layers=[profiler.LayerProfile(n, 1.0, 1.0, 0, 0, 0)
                                  for n in ['tgt_emb', 'dec0', 'dec1', 'softmax']])
   tiny.Save(path)
   proc = subprocess.run(trainer + [f'--balance_file={path}'], env=env, capture_output=True,

@@ -21,10 +21,9 @@ def _Close(actual, expected, tol=2e-5):
 
 
 def _Key(var):
-  """A variable's path below its pipeline cell (or below the reference's root)."""
+  """A variable's path below its task's stack ('lm/stack/...'), or below the reference's root."""
   parts = var.name.split(':')[0].split('/')
-  cells = [i for i, part in enumerate(parts) if part.startswith('cell')]
-  return '/'.join(parts[cells[0] + 1:] if cells else parts[1:])
+  return '/'.join(parts[2:] if parts[1:2] == ['stack'] else parts[1:])
 
 
 # -- gradients of tied variables and metrics ------------------------------------------------

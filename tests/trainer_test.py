@@ -293,15 +293,6 @@ def testCheckpointOfAnotherModelIsRefusedAndNothingWritten(tmp_path, capsys, mon
 # -- in process: flags, stages, the Learner -------------------------------------------
 
 
-def testNumStagesReadsPipelineParams():
-  cell = layers.ProjectionLayer.Params().Set(input_dim=1, output_dim=1)
-  outer = hyperparams.Params()
-  outer.Define('pipes', [gpipe.PipeliningLayer.Params().Set(cell_tpl=[cell] * 3)], '')
-  outer.Define('other', layers.ProjectionLayer.Params(), '')
-  assert trainer.NumStages(outer) == 3
-  assert trainer.NumStages(layers.ProjectionLayer.Params()) == 0
-
-
 def testGradientsAndVariablesSumsTiedWeightsAndSkipsFrozen():
   shared = tf.Variable([1.0, 2.0], name='shared')
   own = tf.Variable([3.0], name='own')

@@ -24,7 +24,10 @@ import bench_utils
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', 'lm.synthetic.GPipeTransformerLmBig',
-                    "A registry key (its task's GPipe stack), or 'mlp' / 'transformer'.")
+                    "A registry key (its task's pipeline), or 'mlp' / 'transformer'.")
+flags.DEFINE_string('model_params_override', '',
+                    "Params text 'a.b : value; ...' applied to the registered model, as the "
+                    'trainer applies it.')
 flags.DEFINE_integer('stages', None, 'K; default the model\'s.')
 flags.DEFINE_integer('micro_batches', None, 'M; default the model\'s.')
 flags.DEFINE_enum('schedule', None, ['gpipe', '1f1b'], 'Schedule; default the model\'s.')
@@ -44,10 +47,11 @@ flags.DEFINE_string('out', os.path.join(tempfile.gettempdir(), 'balance_plan.jso
 
 def _Profile(tf):
   """(profiles, glued layers, the model's own ends, K, M, schedule, remat)."""
-  from lingvo_gpipe import model_registry  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe import base_runner  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import partition  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import pipeline_params  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import profiler  # pylint: disable=g-import-not-at-top
 
   def Progress(i, n, profile):
     bench_utils.Progress(i + 1, n, f'{profile.name}: forward {profile.forward_s * 1e3:.1f} ms, '
@@ -56,22 +60,28 @@ def _Profile(tf):
 
   if FLAGS.model in ('mlp', 'transformer'):
     layer_params, shape = bench_utils.LayerParams(bench_utils.FlagsConfig(FLAGS))
-    layer_params = [p.Set(name=f'layer{i}') for i, p in enumerate(layer_params)]
     k, m = FLAGS.stages or 4, FLAGS.micro_batches or 8
-    own = partition.Balance(gpipe.LayerCosts(layer_params, tf.TensorShape(shape), 'flops'), k)
-    profiles = planner.ProfileLayers(layer_params, tf.TensorSpec(shape), shape[0] // m,
-                                     FLAGS.repeats, progress=Progress)
+    cells = gpipe.PartitionSequentialLayers(layer_params, k, tf.TensorShape(shape), 'flops')
+    pipe = gpipe.PipeliningLayer.Params().Set(name=FLAGS.model, cell_tpl=cells)
+    layer_params, own = pipeline_params.LayersAndEnds(pipe)
+    profiles = profiler.ProfileLayers(layer_params, tf.TensorSpec(shape), shape[0] // m,
+                                      FLAGS.repeats, progress=Progress)
     return profiles, [], own, k, m, FLAGS.schedule or 'gpipe', FLAGS.remat or 'always'
-  params = model_registry.GetParams(FLAGS.model, 'Train')
-  stack, batch = params.task.stack, params.input.batch_size
-  stack.splits = FLAGS.stages or stack.splits
-  k = stack.splits if isinstance(stack.splits, int) else len(stack.splits)
-  m = FLAGS.micro_batches or stack.num_micro_batches
-  stack.num_micro_batches = m
-  own = stack.cls.StageEnds(stack, stack.cls.LayerParams(stack))
-  profiles, glued = planner.StackProfiles(stack, batch // m, FLAGS.repeats, progress=Progress)
-  return (profiles, glued, own, k, m, FLAGS.schedule or stack.schedule,
-          FLAGS.remat or stack.remat)
+  try:
+    params = base_runner.LoadModelParams(FLAGS.model, 'Train', FLAGS.model_params_override)
+  except base_runner.UserError as e:
+    sys.exit(f'plan_balance: error: {e}')
+  pipelines = list(pipeline_params.Find(params.task, 'task'))
+  if len(pipelines) != 1:
+    sys.exit(f'plan_balance: error: {FLAGS.model} has {len(pipelines)} pipelines; expected one.')
+  _, pipe = pipelines[0]
+  k = FLAGS.stages or pipeline_params.NumStages(pipe)
+  m = FLAGS.micro_batches or pipeline_params.NumMicroBatches(pipe, params.input.batch_size)
+  _, own = pipeline_params.LayersAndEnds(pipe)
+  profiles, glued = planner.PipelineProfiles(pipe, params.input.batch_size // m, FLAGS.repeats,
+                                             progress=Progress)
+  return (profiles, glued, own, k, m, FLAGS.schedule or pipe.schedule,
+          FLAGS.remat or pipe.remat)
 
 
 def main(argv):
@@ -80,6 +90,8 @@ def main(argv):
   from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
   load_before = bench_utils.Load()
   profiles, glued, own_ends, k, m, schedule, remat = _Profile(tf)
+  if m is None:
+    sys.exit(f'plan_balance: error: the batch does not split into the model\'s micro-batches.')
   cap = None if FLAGS.memory_cap_mb is None else FLAGS.memory_cap_mb * 2**20
   try:
     plan = planner.MakePlan(profiles, k, m, schedule=schedule, remat=remat,
@@ -88,9 +100,11 @@ def main(argv):
   except ValueError as e:
     sys.exit(f'plan_balance: error: {e}')
   plan.Save(FLAGS.out)
-  own = dataclasses.replace(plan, ends=list(own_ends))
+  # The model's own split is compared when it has the plan's K stages.
+  own = [("the model's split", dataclasses.replace(plan, ends=list(own_ends)))] if (
+      len(own_ends) == k) else []
   rows = []
-  for name, p in (("the model's split", own), ('planned', plan)):
+  for name, p in own + [('planned', plan)]:
     prediction = p.Predict()
     for k_, stage in enumerate(p.Stages()):
       rows.append(dict(split=name, stage=k_, layers=', '.join(stage['layers']),

@@ -51,14 +51,15 @@ def _BuiltIn(tf):
 def _Registered():
   """(model params, their pipelines) of a registry key with overrides and a balance plan."""
   from lingvo_gpipe import base_runner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import pipeline_params  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
   try:
     params = base_runner.LoadModelParams(FLAGS.model, 'Train', FLAGS.model_params_override)
     if FLAGS.balance_file:
-      planner.ApplyPlan(params.task, planner.LoadPlan(FLAGS.balance_file))
+      planner.ApplyPlan(params.task, planner.LoadPlan(FLAGS.balance_file), 'task')
   except (base_runner.UserError, ValueError) as e:
     sys.exit(f'print_model: error: {e}')
-  return params, list(planner.PipelineParams(params.task))
+  return params, [p for _, p in pipeline_params.Find(params.task)]
 
 
 def _WithBatch(tf, spec, batch):
@@ -74,24 +75,13 @@ def _Bytes(tf, specs):
                  (s.dtype.size if hasattr(s, 'dtype') else 4) for s in leaves))
 
 
-def _LayersAndEnds(pipe):
-  """(layer params, stage ends) of a pipeline: a GPipe stack's, or its cells' sub-layers."""
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
-  if 'splits' in pipe:
-    layer_params = pipe.cls.LayerParams(pipe)
-    return layer_params, pipe.cls.StageEnds(pipe, layer_params)
-  cells = pipe.cell_tpl
-  if not all(issubclass(c.cls, gpipe.FeatureExtractionLayer) for c in cells):
-    return [], []
-  sizes = [len(c.sub) for c in cells]
-  return [p for c in cells for p in c.sub], [sum(sizes[:k + 1]) for k in range(len(sizes))]
-
-
 def Inspect(tf, pipe, spec, batch_size, source):
   """Layer rows, stage rows and the planner.Plan of one pipeline (see the module docstring)."""
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import pipeline_params  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
-  layer_params, ends = _LayersAndEnds(pipe)
+  from lingvo_gpipe.core import profiler  # pylint: disable=g-import-not-at-top
+  layer_params, ends = pipeline_params.LayersAndEnds(pipe)
   num_micro = pipe.num_micro_batches if pipe.micro_batch_size is None else (
       batch_size // pipe.micro_batch_size)
   micro = batch_size // (num_micro * pipe.num_replicas)
@@ -104,7 +94,7 @@ def Inspect(tf, pipe, spec, batch_size, source):
     out = tuple(meta.out_shapes) if meta else shapes
     rows.append(dict(name=p.name, cls=p.cls.__name__, params=int(count), gflops=(
         flops / 1e9 if flops is not None else None), output_bytes=_Bytes(tf, out)))
-    profiles.append(planner.LayerProfile(
+    profiles.append(profiler.LayerProfile(
         name=p.name, forward_s=float(flops or 0), backward_s=2.0 * float(flops or 0),
         param_bytes=4 * int(count), input_bytes=_Bytes(tf, shapes),
         activation_bytes=_Bytes(tf, out)))
@@ -154,16 +144,15 @@ def main(argv):
   else:
     params, pipelines = _Registered()
     batch_size, text = params.input.batch_size, params.ToText()
-    specs = [p.cls.InputSpec(p) if hasattr(p.cls, 'InputSpec') else None for p in pipelines]
+    specs = [p.cls.InputSpec(p) for p in pipelines]
   if FLAGS.show_params:
     print(text)
   summary = []
   for pipe, spec in zip(pipelines, specs):
-    layer_rows, plan = Inspect(tf, pipe, spec, batch_size, FLAGS.model) if spec else ([], None)
-    if not layer_rows:
-      print(f'\n## {pipe.name}: no per-layer view (its input spec is unknown, or its cells '
-            'are not FeatureExtractionLayers).')
+    if spec is None:
+      print(f'\n## {pipe.name}: no per-layer view (its params do not say what its input is).')
       continue
+    layer_rows, plan = Inspect(tf, pipe, spec, batch_size, FLAGS.model)
     stage_rows = _StageRows(plan, layer_rows)
     _Print(pipe.name, plan, layer_rows, stage_rows)
     summary.append(dict(pipeline=pipe.name, layers=layer_rows, stages=stage_rows))

@@ -28,7 +28,6 @@ each cell, the same idea as tf.recompute_grad with the accumulation in our hands
 """
 
 import contextlib
-import time
 
 import numpy as np
 import tensorflow as tf
@@ -40,6 +39,7 @@ from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import metrics as metrics_lib
 from lingvo_gpipe.core import microbatch
 from lingvo_gpipe.core import partition
+from lingvo_gpipe.core import profiler
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import schedule as schedule_lib
 
@@ -556,6 +556,52 @@ class PipeliningLayer(base_layer.BaseLayer):
   def num_stages(self):
     return len(self.params.cell_tpl)
 
+  # -- the params API (core/pipeline_params.py): how these params hold the layers ------
+
+  @classmethod
+  def NumStagesOf(cls, p):
+    """K of pipeline params `p`, without building anything."""
+    return len(p.cell_tpl)
+
+  @classmethod
+  def LayersAndEnds(cls, p):
+    """(layer params in the order they run, ascending end index of each stage).
+
+    FeatureExtractionLayer cells hold the layers; other cells are one layer each.
+    """
+    if all(issubclass(c.cls, FeatureExtractionLayer) for c in p.cell_tpl):
+      sizes = [len(c.sub) for c in p.cell_tpl]
+      return ([q for c in p.cell_tpl for q in c.sub],
+              [sum(sizes[:k + 1]) for k in range(len(sizes))])
+    return list(p.cell_tpl), list(range(1, len(p.cell_tpl) + 1))
+
+  @classmethod
+  def Recut(cls, p, ends):
+    """Cuts pipeline params `p` (in place) into the stages ending at `ends`."""
+    if not all(issubclass(c.cls, FeatureExtractionLayer) for c in p.cell_tpl):
+      raise ValueError(f'{p.name}: cannot re-cut cells that are not FeatureExtractionLayers.')
+    layer_params, _ = cls.LayersAndEnds(p)
+    partition.CheckEnds(ends, len(layer_params), p.name)
+    fetched = [name for c in p.cell_tpl for name in c.act_fetch_layers]
+    p.cell_tpl = CellsFromEnds(layer_params, ends, fetched)
+
+  @classmethod
+  def GluedLayers(cls, p):
+    """Indices of layers that must share a stage with the layer before them."""
+    del p  # Any cut of a plain pipeline works.
+    return []
+
+  @classmethod
+  def InputSpec(cls, p):
+    """TensorSpecs of one example's input (batch 1), or None if the params do not say."""
+    del p  # A plain pipeline's input is whatever its caller gives.
+    return None
+
+  @classmethod
+  def TieLayers(cls, p, layer_list):
+    """Shares weights among layers built from LayersAndEnds, as the pipeline itself does."""
+    del p, layer_list  # Nothing is shared in a plain pipeline.
+
   def NumMicroBatches(self, batch_size):
     """M of each replica for a whole batch of `batch_size`."""
     p = self.params
@@ -820,40 +866,10 @@ def _ParamCosts(layer_params_list):
   return costs
 
 
-def _RandomInput(spec):
-  if isinstance(spec, py_utils.NestedMap):
-    return spec.Transform(_RandomInput)
-  dtype = spec.dtype if isinstance(spec, tf.TensorSpec) else tf.float32
-  shape = spec.shape if isinstance(spec, tf.TensorSpec) else spec
-  if dtype.is_floating:
-    return tf.random.stateless_normal(shape, [0, 1], dtype=dtype)
-  return tf.zeros(shape, dtype)
-
-
-def _TimeCosts(layer_params_list, input_shapes, repeats=3):
-  """Median forward+backward seconds of each layer, profiled once in a tf.function."""
-  args = tuple(_RandomInput(s) for s in input_shapes)
-  costs = []
-  for p in layer_params_list:
-    layer = p.Instantiate()
-
-    @tf.function
-    def Step(*a, layer=layer):
-      with tf.GradientTape() as tape:
-        out = layer.FProp(layer.theta, *a)
-        floats = [x for x in tf.nest.flatten(out) if _IsFloatTensor(x)]
-        total = tf.add_n([tf.reduce_sum(tf.cast(x, tf.float32)) for x in floats])
-      return out, tape.gradient(total, layer.trainable_variables)
-
-    out, _ = Step(*args)  # Trace and warm up.
-    times = []
-    for _ in range(repeats):
-      start = time.perf_counter()
-      tf.nest.map_structure(lambda x: x.numpy() if x is not None else x, Step(*args))
-      times.append(time.perf_counter() - start)
-    costs.append(float(np.median(times)))
-    args = _AsArgs(out)
-  return costs
+def _TimeCosts(layer_params_list, input_shapes):
+  """Median forward + backward seconds of each layer (profiler.ProfileLayers)."""
+  return [p.forward_s + p.backward_s for p in
+          profiler.ProfileLayers(layer_params_list, tuple(input_shapes), memory=False)]
 
 
 COST_KINDS = ('auto', 'flops', 'params', 'time')
@@ -899,7 +915,15 @@ def PartitionSequentialLayers(layer_params_list, num_partitions, input_shape, co
   return CellsFromEnds(named, partition.Balance(costs, num_partitions))
 
 
-def CellsFromEnds(layer_params_list, ends):
-  """FeatureExtractionLayer params cell0.. holding layers [ends[k-1], ends[k])."""
-  return [FeatureExtractionLayer.Params().Set(name=f'cell{k}', sub=layer_params_list[a:b])
-          for k, (a, b) in enumerate(zip([0] + list(ends[:-1]), ends))]
+def CellsFromEnds(layer_params_list, ends, act_fetch_layers=()):
+  """FeatureExtractionLayer params cell0.. holding layers [ends[k-1], ends[k]).
+
+  act_fetch_layers: names of layers whose outputs are fetched, in whichever cell.
+  """
+  cells = []
+  for k, (a, b) in enumerate(zip([0] + list(ends[:-1]), ends)):
+    sub = layer_params_list[a:b]
+    cells.append(FeatureExtractionLayer.Params().Set(
+        name=f'cell{k}', sub=sub,
+        act_fetch_layers=[q.name for q in sub if q.name in act_fetch_layers]))
+  return cells

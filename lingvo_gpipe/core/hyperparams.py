@@ -9,6 +9,7 @@ import ast
 import copy
 import difflib
 import importlib
+import inspect
 import re
 
 _NAME_RE = re.compile(r'^[a-z_][a-z0-9_]*$')
@@ -358,8 +359,15 @@ def _EvalNode(node):
       return float(node.id)
     if node.id in ('true', 'false'):
       return node.id == 'true'
-  if isinstance(node, (ast.Name, ast.Attribute)):
-    return _Resolve(ast.unparse(node))
+  if isinstance(node, ast.Name):
+    raise ValueError(f'bare word {node.id!r}: quote a string, or name a class or dtype by its '
+                     "module ('tf.float32', 'lingvo_gpipe.core.layers.ProjectionLayer')")
+  if isinstance(node, ast.Attribute):
+    value = _Resolve(ast.unparse(node))
+    if inspect.ismodule(value):
+      raise ValueError(f'{ast.unparse(node)!r} is a module; expected a class, function or '
+                       'dtype in it')
+    return value
   raise ValueError(f'unsupported syntax {ast.unparse(node)!r}')
 
 

@@ -394,14 +394,11 @@ class _GPipeStack(gpipe.PipeliningLayer):
       costs = gpipe.LayerCosts(layer_params, cls.InputSpec(p))
       costs[-2] += costs.pop()  # The softmax rides with the layer before it.
       return partition.Balance(costs, splits)[:-1] + [n]
-    ends = list(splits) if isinstance(splits, (list, tuple)) else None
-    if (not ends or any(not isinstance(e, int) for e in ends) or
-        any(b <= a for a, b in zip([0] + ends, ends))):
+    if not isinstance(splits, (list, tuple)):
       raise ValueError(f'{p.name}: splits={splits!r} must be an int number of stages or '
                        'ascending positive end indices of the stages.')
-    if ends[-1] != n:
-      raise ValueError(f'{p.name}: splits={ends} must end at the layer count {n}; the layers '
-                       f'are {[q.name for q in layer_params]}.')
+    ends = list(splits)
+    partition.CheckEnds(ends, n, f'{p.name}: splits (layers {[q.name for q in layer_params]})')
     if len(ends) > 1 and ends[-1] - ends[-2] == 1:
       raise ValueError(f'{p.name}: splits={ends} leaves the softmax alone on the last stage; '
                        f'expected the last end before {n - 1}.')
@@ -424,6 +421,27 @@ class _GPipeStack(gpipe.PipeliningLayer):
   def Layers(self):
     """The stack's layers across all cells, in order."""
     return [layer for cell in self.cell for layer in cell.sub]
+
+  # -- the params API (core/pipeline_params.py) -----------------------------------------
+
+  @classmethod
+  def NumStagesOf(cls, p):
+    return len(p.cell_tpl) if p.cell_tpl else (
+        p.splits if isinstance(p.splits, int) else len(p.splits))
+
+  @classmethod
+  def LayersAndEnds(cls, p):
+    layer_params = cls.LayerParams(p)
+    return layer_params, cls.StageEnds(p, layer_params)
+
+  @classmethod
+  def Recut(cls, p, ends):
+    cls.StageEnds(p.Copy().Set(splits=list(ends)), cls.LayerParams(p))  # Checks them.
+    p.splits = list(ends)
+
+  @classmethod
+  def GluedLayers(cls, p):
+    return [len(cls.LayerParams(p)) - 1]  # The softmax rides with the layer before it.
 
 
 class GPipeTransformerStack(_GPipeStack):
@@ -536,8 +554,12 @@ class GPipeTransformerStack(_GPipeStack):
 
   def __init__(self, params):
     super().__init__(params)
-    if self.params.tie_embeddings:
-      TieSoftmaxToEmbedding(self.Layers())
+    self.TieLayers(self.params, self.Layers())
+
+  @classmethod
+  def TieLayers(cls, p, layer_list):
+    if p.tie_embeddings:
+      TieSoftmaxToEmbedding(layer_list)
 
 
 def TieSoftmaxToEmbedding(layer_list):

@@ -85,18 +85,21 @@ def MicroBatchLoss(loss_fn, num_parts, batch_dim, schedule):
   """
   rules = {}
 
+  def Call(*args):
+    try:
+      return loss_fn(*args)
+    except (ValueError, TypeError, tf.errors.OpError) as e:
+      raise ValueError(f'schedule={schedule!r} calls loss_fn on each micro-batch\'s outputs '
+                       'alone (a loss must read nothing but them), and it failed on them: '
+                       f'{e}') from None
+
   def Probe(args):
     rng = np.random.default_rng(0)
     with tf.init_scope():
-      try:
-        whole = tf.nest.map_structure(
-            lambda x: _ProbeInput(x, num_parts, batch_dim, rng) if isinstance(x, tf.Tensor)
-            else x, args)
-        values = [loss_fn(*part) for part in
-                  [whole] + microbatch.Split(whole, num_parts, batch_dim)]
-      except Exception as e:  # pylint: disable=broad-except
-        raise ValueError(f'schedule={schedule!r} calls loss_fn on each micro-batch\'s outputs '
-                         f'alone, and it failed on them: {e}') from None
+      whole = tf.nest.map_structure(
+          lambda x: _ProbeInput(x, num_parts, batch_dim, rng) if isinstance(x, tf.Tensor)
+          else x, args)
+      values = [Call(*part) for part in [whole] + microbatch.Split(whole, num_parts, batch_dim)]
     for name, value in _Scalars(values[0]).items():
       parts = [_Scalars(v)[name] for v in values[1:]]
       rule = _Combination(value, parts)
@@ -115,7 +118,7 @@ def MicroBatchLoss(loss_fn, num_parts, batch_dim, schedule):
     return value
 
   def MicroBatchLossFn(*args):
-    value = loss_fn(*args)
+    value = Call(*args)
     if _Scalars(value) and not rules:
       Probe(args)
     if isinstance(value, dict):

@@ -76,6 +76,16 @@ def Balance(costs, num_stages):
   return _SplitDP(prefix, num_stages, Square, np.add)
 
 
+def CheckEnds(ends, num_layers, where):
+  """Raises a ValueError unless `ends` are ascending stage ends of num_layers layers."""
+  ends = list(ends) if isinstance(ends, (list, tuple)) else None
+  if (not ends or any(not isinstance(e, int) or isinstance(e, bool) for e in ends) or
+      any(b <= a for a, b in zip([0] + ends, ends))):
+    raise ValueError(f'{where}: stage ends {ends!r} must be ascending positive ints.')
+  if ends[-1] != num_layers:
+    raise ValueError(f'{where}: stage ends {ends} must end at the layer count {num_layers}.')
+
+
 def StageSizes(ends):
   """[3, 7, 10] -> [3, 4, 3]."""
   return [b - a for a, b in zip([0] + list(ends[:-1]), ends)]

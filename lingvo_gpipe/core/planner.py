@@ -1,6 +1,7 @@
 """Balance planner: split layers into K stages by measured time, under a memory cap per device.
 
-1. Profile once (ProfileLayers): each layer's forward and backward seconds at
+1. Profile once (profiler.ProfileLayers; PipelineProfiles for a pipeline's
+   params): each layer's forward and backward seconds at
    the micro-batch size, its parameter bytes, the bytes of its input (what a
    stage keeps per micro-batch with re-materialization, if the layer starts
    the stage) and its activation bytes (the allocator peak of its forward and
@@ -15,38 +16,23 @@
    step running. The plan is the contiguous split minimising the slowest stage
    among those whose every stage fits the cap (then the most even one, as
    partition.Balance does), and the simulator predicts its step.
-3. Save and load the plan as JSON; ApplyPlan cuts the PipeliningLayers of a
-   params tree by it (the trainer's --balance_file).
+3. Save and load the plan as JSON; ApplyPlan cuts the pipelines of a params
+   tree by it (the trainer's --balance_file), through core/pipeline_params.
 """
 
 import dataclasses
 import json
-import time
 
 import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import hyperparams
-from lingvo_gpipe.core import layers as layers_lib
-from lingvo_gpipe.core import layers_with_gpipe
-from lingvo_gpipe.core import memory_stats
 from lingvo_gpipe.core import partition
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import pipeline_params
+from lingvo_gpipe.core import profiler
 from lingvo_gpipe.core import simulator
 
 PLAN_FORMAT = 'lingvo_gpipe.balance_plan.v1'
-
-
-@dataclasses.dataclass
-class LayerProfile:
-  """One layer measured at the micro-batch size; seconds and bytes."""
-  name: str
-  forward_s: float
-  backward_s: float
-  param_bytes: int
-  input_bytes: int
-  activation_bytes: int
 
 
 # -- planning (no TensorFlow) --------------------------------------------------------------
@@ -254,7 +240,8 @@ class Plan:
     if data.get('format') != PLAN_FORMAT:
       raise ValueError(f'Not a balance plan: format {data.get("format")!r}, expected '
                        f'{PLAN_FORMAT!r}.')
-    return cls(source=data['source'], layers=[LayerProfile(**p) for p in data['layers']],
+    return cls(source=data['source'],
+               layers=[profiler.LayerProfile(**p) for p in data['layers']],
                ends=list(data['ends']), num_micro_batches=data['num_micro_batches'],
                schedule=data['schedule'], remat=data['remat'],
                optimizer_slots=data['optimizer_slots'],
@@ -274,137 +261,44 @@ def LoadPlan(path):
 # -- applying a plan -------------------------------------------------------------------
 
 
-def PipelineParams(params):
-  """The PipeliningLayer params within the params tree `params`, outermost first."""
-  if (isinstance(params, hyperparams.InstantiableParams) and isinstance(params.cls, type)
-      and issubclass(params.cls, gpipe.PipeliningLayer)):
-    yield params
-    return
-  for _, value in params.IterParams():
-    for child in value if isinstance(value, (list, tuple)) else [value]:
-      if isinstance(child, hyperparams.Params):
-        yield from PipelineParams(child)
+def ApplyPlan(params, plan, path=''):
+  """Cuts every pipeline of the params tree (in place) by the plan, with its M, schedule, remat.
 
-
-def _CheckNames(where, names, plan):
-  if names != plan.layer_names:
-    raise ValueError(f'The balance plan of {plan.source or "?"} is for layers '
-                     f'{plan.layer_names}, but {where} has {names}.')
-
-
-def ApplyPlan(params, plan):
-  """Cuts every PipeliningLayer in the params tree `params` (in place) by the plan.
-
-  A GPipe stack (layers_with_gpipe) gets `splits = plan.ends`; a PipeliningLayer
-  whose cells are FeatureExtractionLayers is re-cut from their layers. The layer
-  names must be the plan's. Returns the number of pipelines cut.
+  The plan's prediction holds for the M, schedule and re-materialization it
+  was made for, so the pipelines take them. The layer names must be the
+  plan's. Returns one 'path.key=new (was old)' text per value changed.
   """
-  pipelines = list(PipelineParams(params))
-  for p in pipelines:
-    if 'splits' in p:
-      _CheckNames(p.name, [q.name for q in p.cls.LayerParams(p)], plan)
-      p.splits = list(plan.ends)
-    else:
-      if not all(issubclass(c.cls, gpipe.FeatureExtractionLayer) for c in p.cell_tpl):
-        raise ValueError(f'{p.name}: cannot re-cut cells that are not '
-                         'FeatureExtractionLayers.')
-      sub = [q for c in p.cell_tpl for q in c.sub]
-      _CheckNames(p.name, [q.name for q in sub], plan)
-      p.cell_tpl = gpipe.CellsFromEnds(sub, plan.ends)
-  return len(pipelines)
+  pipelines = list(pipeline_params.Find(params, path))
+  if not pipelines:
+    raise ValueError('the model params hold no PipeliningLayer to cut.')
+  changes = []
+  for where, p in pipelines:
+    names = [q.name for q in pipeline_params.LayersAndEnds(p)[0]]
+    if names != plan.layer_names:
+      raise ValueError(f'The balance plan of {plan.source or "?"} is for layers '
+                       f'{plan.layer_names}, but {where or p.name} has {names}.')
+    pipeline_params.Recut(p, plan.ends)
+    wanted = dict(num_micro_batches=plan.num_micro_batches, micro_batch_size=None,
+                  schedule=plan.schedule, remat=plan.remat)
+    for key, value in wanted.items():
+      if p.Get(key) != value:
+        if value is not None:
+          changes.append(f'{where}.{key}={value!r} (was {p.Get(key)!r})')
+        p.Set(**{key: value})
+  return changes
 
 
-# -- profiling (TensorFlow) --------------------------------------------------------------
+# -- profiling a pipeline ---------------------------------------------------------------
 
 
-def _RandomInput(spec, batch_size):
-  """A random tensor (zeros for integers: valid ids and labels) of `spec` with a batch."""
-  if isinstance(spec, dict):
-    return py_utils.NestedMap({k: _RandomInput(v, batch_size) for k, v in spec.items()})
-  shape = [batch_size] + list(tf.TensorShape(spec.shape))[1:]
-  if spec.dtype.is_floating:
-    return tf.random.stateless_normal(shape, [0, 1], dtype=spec.dtype)
-  return tf.zeros(shape, spec.dtype)
-
-
-def _Bytes(structure):
-  return int(sum(x.shape.num_elements() * x.dtype.size for x in tf.nest.flatten(structure)
-                 if isinstance(x, (tf.Tensor, tf.Variable))))
-
-
-def _Median(fn, repeats):
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    tf.nest.map_structure(lambda x: x.numpy() if hasattr(x, 'numpy') else x, fn())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
-def _ProfileOne(layer, theta, args, repeats):
-  """(LayerProfile, outputs) of one layer on `args`."""
-  floats = [x for x in tf.nest.flatten(args) if x.dtype.is_floating]
-  weights = [v for v in tf.nest.flatten(theta) if v.trainable]
-
-  @tf.function(autograph=False)
-  def Forward():
-    return layer.FProp(theta, *args)
-
-  @tf.function(autograph=False)
-  def ForwardBackward():
-    with tf.GradientTape() as tape:
-      tape.watch(floats)
-      out = layer.FProp(theta, *args)
-      total = tf.add_n([tf.reduce_sum(tf.cast(x, tf.float32)) for x in tf.nest.flatten(out)
-                        if x.dtype.is_floating])
-    return tape.gradient(total, floats + weights,
-                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
-
-  out = Forward()
-  ForwardBackward()  # Trace and warm up.
-  forward = _Median(Forward, repeats)
-  both = _Median(ForwardBackward, repeats)
-  grads, peak = memory_stats.PeakBytes(ForwardBackward)
-  param_bytes = _Bytes(weights)
-  profile = LayerProfile(name=layer.params.name, forward_s=forward,
-                         backward_s=max(both - forward, 0.0), param_bytes=param_bytes,
-                         input_bytes=_Bytes(args),
-                         activation_bytes=max(int(peak) - _Bytes(grads), 0))
-  return profile, out
-
-
-def ProfileLayers(layer_params_list, input_spec, batch_size, repeats=3, tie_softmax=False,
-                  progress=None):
-  """LayerProfiles of layers run in order on random inputs of `batch_size` rows.
-
-  Args:
-    layer_params_list: the layers' params, in the order they run.
-    input_spec: TensorSpec (or NestedMap of them) of the first layer's input;
-      its batch dimension is replaced by batch_size (use the micro-batch size).
-    batch_size: rows of each profiled pass.
-    repeats: timed runs per layer; the median is kept.
-    tie_softmax: tie the last layer to the embedding (GPipe stacks' tie_embeddings).
-    progress: optional callable(i, n, LayerProfile) after each layer.
-  """
-  stack = layers_lib.SequentialLayer.Params().Set(
-      name='profile', sub=layer_params_list).Instantiate()
-  if tie_softmax:
-    layers_with_gpipe.TieSoftmaxToEmbedding(stack.sub)
-  args = (_RandomInput(input_spec, batch_size),)
-  profiles = []
-  for i, (layer, theta) in enumerate(zip(stack.sub, stack.theta.sub)):
-    profile, out = _ProfileOne(layer, theta, args, repeats)
-    profiles.append(profile)
-    if progress:
-      progress(i, len(stack.sub), profile)
-    args = out if isinstance(out, tuple) else (out,)
-  return profiles
-
-
-def StackProfiles(stack_params, batch_size, repeats=3, progress=None):
-  """(profiles, glued) of a layers_with_gpipe stack: its softmax stays with the layer before."""
-  layer_params = stack_params.cls.LayerParams(stack_params)
-  tie = 'tie_embeddings' in stack_params and stack_params.tie_embeddings
-  profiles = ProfileLayers(layer_params, stack_params.cls.InputSpec(stack_params), batch_size,
-                           repeats, tie_softmax=tie, progress=progress)
-  return profiles, [len(layer_params) - 1]
+def PipelineProfiles(p, batch_size, repeats=3, progress=None):
+  """(profiles, glued layer indices) of pipeline params p's layers, at batch_size rows."""
+  spec = p.cls.InputSpec(p)
+  if spec is None:
+    raise ValueError(f'{p.name}: its params do not say what its input is; profile its layers '
+                     'with profiler.ProfileLayers and an input spec.')
+  layer_params, _ = pipeline_params.LayersAndEnds(p)
+  profiles = profiler.ProfileLayers(layer_params, spec, batch_size, repeats,
+                                    tie_fn=lambda built: p.cls.TieLayers(p, built),
+                                    progress=progress)
+  return profiles, p.cls.GluedLayers(p)

@@ -1,0 +1,125 @@
+"""Measuring layers one by one: forward and backward time, parameter, input and activation bytes.
+
+The balance planner plans from these profiles and PartitionSequentialLayers
+balances by their time (cost='time'). Each layer runs at the given batch size on
+random inputs (the previous layer's outputs), as a tf.function, so a profile
+is of the compiled step, not of Python.
+"""
+
+import dataclasses
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from lingvo_gpipe.core import layers as layers_lib
+from lingvo_gpipe.core import memory_stats
+from lingvo_gpipe.core import py_utils
+
+
+@dataclasses.dataclass
+class LayerProfile:
+  """One layer measured at the micro-batch size; seconds and bytes.
+
+  activation_bytes is the allocator peak of its forward and backward above the
+  live set, less its weight gradients: what it holds for its backward (0 when
+  memory was not measured).
+  """
+  name: str
+  forward_s: float
+  backward_s: float
+  param_bytes: int
+  input_bytes: int
+  activation_bytes: int
+
+
+def RandomInput(spec, batch_size=None):
+  """A random tensor of TensorSpec (or TensorShape, float32) `spec`; zeros for integers
+  (valid ids and labels). batch_size, if given, replaces the batch dimension."""
+  if isinstance(spec, dict):
+    return py_utils.NestedMap({k: RandomInput(v, batch_size) for k, v in spec.items()})
+  dtype = getattr(spec, 'dtype', tf.float32)
+  shape = list(tf.TensorShape(getattr(spec, 'shape', spec)))
+  if batch_size is not None:
+    shape[0] = batch_size
+  if dtype.is_floating:
+    return tf.random.stateless_normal(shape, [0, 1], dtype=dtype)
+  return tf.zeros(shape, dtype)
+
+
+def _Bytes(structure):
+  return int(sum(x.shape.num_elements() * x.dtype.size for x in tf.nest.flatten(structure)
+                 if isinstance(x, (tf.Tensor, tf.Variable))))
+
+
+def _Median(fn, repeats):
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    tf.nest.map_structure(lambda x: x.numpy() if hasattr(x, 'numpy') else x, fn())
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def _ProfileOne(layer, theta, args, repeats, memory):
+  """(LayerProfile, outputs) of one layer on `args`."""
+  floats = [x for x in tf.nest.flatten(args) if x.dtype.is_floating]
+  weights = [v for v in tf.nest.flatten(theta) if v.trainable]
+
+  @tf.function(autograph=False)
+  def Forward():
+    return layer.FProp(theta, *args)
+
+  @tf.function(autograph=False)
+  def ForwardBackward():
+    with tf.GradientTape() as tape:
+      tape.watch(floats)
+      out = layer.FProp(theta, *args)
+      total = tf.add_n([tf.reduce_sum(tf.cast(x, tf.float32)) for x in tf.nest.flatten(out)
+                        if x.dtype.is_floating])
+    return tape.gradient(total, floats + weights,
+                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+  out = Forward()
+  ForwardBackward()  # Trace and warm up.
+  forward = _Median(Forward, repeats)
+  both = _Median(ForwardBackward, repeats)
+  activation_bytes = 0
+  if memory:
+    grads, peak = memory_stats.PeakBytes(ForwardBackward)
+    activation_bytes = max(int(peak) - _Bytes(grads), 0)
+  profile = LayerProfile(name=layer.params.name, forward_s=forward,
+                         backward_s=max(both - forward, 0.0), param_bytes=_Bytes(weights),
+                         input_bytes=_Bytes(args), activation_bytes=activation_bytes)
+  return profile, out
+
+
+def ProfileLayers(layer_params_list, input_spec, batch_size=None, repeats=3, tie_fn=None,
+                  progress=None, memory=True):
+  """LayerProfiles of layers run in order on random inputs.
+
+  Args:
+    layer_params_list: the layers' params, in the order they run (named).
+    input_spec: TensorSpec or TensorShape (or a NestedMap of them) of the first
+      layer's input, or a tuple of them for several inputs.
+    batch_size: if given, replaces the batch dimension (use the micro-batch size).
+    repeats: timed runs per layer; the median is kept.
+    tie_fn: optional callable(list of built layers) sharing weights among them,
+      as their pipeline does (e.g. a tied softmax).
+    progress: optional callable(i, n, LayerProfile) after each layer.
+    memory: measure activation bytes (needs memory_stats' allocator statistics).
+  """
+  stack = layers_lib.SequentialLayer.Params().Set(
+      name='profile', sub=layer_params_list).Instantiate()
+  if tie_fn:
+    tie_fn(stack.sub)
+  specs = input_spec if isinstance(input_spec, tuple) else (input_spec,)
+  args = tuple(RandomInput(spec, batch_size) for spec in specs)
+  profiles = []
+  for i, (layer, theta) in enumerate(zip(stack.sub, stack.theta.sub)):
+    profile, out = _ProfileOne(layer, theta, args, repeats, memory)
+    profiles.append(profile)
+    if progress:
+      progress(i, len(stack.sub), profile)
+    args = out if isinstance(out, tuple) else (out,)
+  return profiles
