@@ -43,6 +43,7 @@ from lingvo_gpipe import base_runner
 from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import cluster as cluster_lib
 from lingvo_gpipe import learner as learner_lib
+from lingvo_gpipe import pipeline_check
 from lingvo_gpipe.core import pipeline_params
 from lingvo_gpipe.core import planner
 from lingvo_gpipe.core import py_utils
@@ -60,8 +61,12 @@ flags.DEFINE_string('logdir', None, 'Checkpoints and summaries go to <logdir>/tr
 flags.DEFINE_enum('run_locally', 'cpu', ['cpu', 'gpu'],
                   'Local devices: cpu hides GPUs and runs the stages on logical CPU devices; '
                   'gpu places the stages on the GPUs.')
-flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params'],
-                  'sync: run the job; inspect_params: print the model params and exit.')
+flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params', 'check_pipeline'],
+                  'sync: run the job; inspect_params: print the model params and exit; '
+                  'check_pipeline: train --check_steps steps pipelined as configured and '
+                  'unpipelined from the same weights (the latest checkpoint of --logdir, if '
+                  'any) and data, print the largest relative differences, exit 1 above '
+                  '--check_tolerance.')
 flags.DEFINE_enum('job', 'controller,trainer', list(_LOCAL_JOBS + _CLUSTER_JOBS), 'What to run.')
 flags.DEFINE_integer('task', 0, 'Index of this process within its job of --cluster_spec.')
 flags.DEFINE_string('cluster_spec', '',
@@ -93,6 +98,9 @@ flags.DEFINE_integer('max_steps', None, 'Shortcut for the override train.max_ste
 flags.DEFINE_integer('steps_per_loop', 1,
                      'Training steps per tf.function call (a device-side loop).')
 flags.DEFINE_integer('checkpoint_max_to_keep', 5, 'Recent checkpoints kept.')
+flags.DEFINE_integer('check_steps', 3, '--mode=check_pipeline: training steps to compare.')
+flags.DEFINE_float('check_tolerance', 1e-4,
+                   '--mode=check_pipeline: the largest relative difference that passes.')
 flags.DEFINE_boolean('eval_once', False, 'Evalers: evaluate the latest checkpoint and exit.')
 flags.DEFINE_float('eval_timeout_secs', None,
                    'Evalers: fail when no new checkpoint arrives for this many seconds before '
@@ -392,6 +400,30 @@ def RunClusterClient(model_params, cluster, dataset_name):
   cluster_lib.HealthMonitor(addresses, cluster.timeout_secs).Run(Job)
 
 
+def _SetUpLocalDevices(model_params, cluster):
+  """Logical devices for the pipelines of a local run, and their replicas' placement."""
+  split_size = cluster.worker_split_size or pipeline_params.MaxStages(model_params.task) or 4
+  ConfigureLocalDevices(FLAGS.run_locally,
+                        FLAGS.num_cpu_devices or cluster.worker_replicas * split_size)
+  if cluster.worker_replicas > 1 or cluster.worker_split_size:
+    PlacePipelines(model_params.task, cluster.worker_split_size, cluster.worker_replicas)
+
+
+def _CheckPipeline(model_params, cluster):
+  """--mode=check_pipeline: the report on stdout; UserError (exit 1) if it fails."""
+  if cluster.spec:
+    raise base_runner.UserError('--mode=check_pipeline runs in this process: drop '
+                                '--cluster_spec.')
+  _SetUpLocalDevices(model_params, cluster)
+  checkpoint_dir = os.path.join(FLAGS.logdir, 'train') if FLAGS.logdir else None
+  report = pipeline_check.CheckPipeline(model_params, FLAGS.check_steps, FLAGS.check_tolerance,
+                                        checkpoint_dir)
+  sys.stdout.write(report.Text() + '\n')
+  if not report.ok:
+    raise base_runner.UserError(f'check_pipeline: {FLAGS.model} trains differently pipelined '
+                                f'than unpipelined (tolerance {FLAGS.check_tolerance:g}).')
+
+
 def _Run():
   cluster = ClusterConfig.FromFlags()
   if FLAGS.job == 'worker':
@@ -408,16 +440,15 @@ def _Run():
   if FLAGS.mode == 'inspect_params':
     sys.stdout.write(model_params.ToText())
     return
+  if FLAGS.mode == 'check_pipeline':
+    _CheckPipeline(model_params, cluster)
+    return
   if not FLAGS.logdir:
     raise base_runner.UserError('--logdir is required.')
   if cluster.spec:
     RunClusterClient(model_params, cluster, dataset_name)
     return
-  split_size = cluster.worker_split_size or pipeline_params.MaxStages(model_params.task) or 4
-  ConfigureLocalDevices(FLAGS.run_locally,
-                        FLAGS.num_cpu_devices or cluster.worker_replicas * split_size)
-  if cluster.worker_replicas > 1 or cluster.worker_split_size:
-    PlacePipelines(model_params.task, cluster.worker_split_size, cluster.worker_replicas)
+  _SetUpLocalDevices(model_params, cluster)
   if FLAGS.job == 'controller,trainer':
     RunTrainer(model_params, FLAGS.logdir)
   else:
