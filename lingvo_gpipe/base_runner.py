@@ -34,7 +34,7 @@ class UserError(Exception):
 
 
 class NonFiniteError(UserError):
-  """The loss or the gradients became NaN or Inf."""
+  """The loss, the gradients or the updated weights became NaN or Inf."""
 
 
 def LoadModelParams(key, dataset, override='', max_steps=None):
@@ -176,6 +176,15 @@ class _Progress:
     return str(datetime.timedelta(seconds=round(seconds)))
 
 
+def _NonFinite(out):
+  """What was not finite in a step's Learner.Apply outputs."""
+  loss, grad_norm = float(out.loss), float(out.grad_norm)
+  if np.isfinite(loss) and np.isfinite(grad_norm):
+    return (f'loss {loss:g} and gradient norm {grad_norm:g} are finite, but the update with '
+            f'learning rate {float(out.learning_rate):g} would make weights not finite')
+  return f'loss {loss:g}, gradient norm {grad_norm:g} is not finite'
+
+
 def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, batch_size,
                 pipeline_stats=None):
   """Trains until settings.max_steps or the end of the input; returns the global step.
@@ -192,8 +201,8 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
       its `every` and write their statistics as summaries; None measures nothing.
 
   Raises:
-    NonFiniteError: when a step's loss or gradients are not finite; that step
-      is not applied and no checkpoint is written for it.
+    NonFiniteError: when a step's loss, gradients or new weights are not finite;
+      that step is not applied and no checkpoint is written for it.
   """
   s = settings
   step = int(global_step.numpy())
@@ -219,10 +228,9 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
     seconds = time.time() - start
     new_step = int(global_step.numpy())
     if not bool(out.finite):
-      raise NonFiniteError(
-          f'Step {new_step}: loss {float(out.loss):g}, gradient norm {float(out.grad_norm):g} '
-          'is not finite; training stopped without applying the step. Last good checkpoint: '
-          f'{checkpointer.latest or "none"}.')
+      raise NonFiniteError(f'Step {new_step}: {_NonFinite(out)}; training stopped without '
+                           f'applying the step. Last good checkpoint: '
+                           f'{checkpointer.latest or "none"}.')
     if not measure:  # A measured step's time includes tracing it and the timing ops.
       progress.Record(new_step - step, seconds)
     speed = progress.Speed(new_step - step, seconds)

@@ -352,6 +352,16 @@ def testLearnerAppliesNothingWhenNotFinite(loss, grad):
   assert int(learner.optimizer.iterations.numpy()) == 0
 
 
+@pytest.mark.parametrize('learning_rate', [float('nan'), float('inf'), 1e39])
+def testLearnerAppliesNothingWhenTheUpdateIsNotFinite(learning_rate):
+  var = tf.Variable([1.0], name='w')
+  learner = _SgdLearner([var], learning_rate=learning_rate)
+  out = learner.Apply(tf.constant(0, tf.int64), _Metrics(1.0), [(tf.constant([0.5]), var)])
+  assert not bool(out.finite) and np.isfinite(float(out.loss))
+  assert var.numpy()[0] == 1.0 and int(learner.global_step.numpy()) == 0
+  assert int(learner.optimizer.iterations.numpy()) == 0
+
+
 def _LoopOver(values, learner, var):
   """Learner loop whose loss is the element times var; gradient = element."""
   dataset = tf.data.Dataset.from_tensor_slices(np.array(values, np.float32))
