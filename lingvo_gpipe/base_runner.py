@@ -186,8 +186,8 @@ def _NonFinite(out):
 
 
 def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, batch_size,
-                pipeline_stats=None):
-  """Trains until settings.max_steps or the end of the input; returns the global step.
+                pipeline_stats=None, stop=None):
+  """Trains until settings.max_steps, the end of the input or a stop; returns the global step.
 
   Args:
     loop_fn: Learner.BuildLoop's function.
@@ -199,6 +199,9 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
     batch_size: examples per step, for examples_per_second (None to leave it out).
     pipeline_stats: a PipelineStats to measure the steps that reach multiples of
       its `every` and write their statistics as summaries; None measures nothing.
+    stop: None, or an object whose Stopped() becomes true to end training early
+      (preemption.StopOnSignals): checked before each loop call; the steps
+      done are saved.
 
   Raises:
     NonFiniteError: when a step's loss, gradients or new weights are not finite;
@@ -207,7 +210,7 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
   s = settings
   step = int(global_step.numpy())
   progress = _Progress(s.max_steps, batch_size)
-  while step < s.max_steps:
+  while step < s.max_steps and not (stop and stop.Stopped()):
     # Loops end at checkpoint steps, so checkpoints land on multiples of the interval.
     to_save = s.save_interval_steps - step % s.save_interval_steps
     num_steps = int(min(s.steps_per_loop, s.max_steps - step, to_save))
