@@ -387,7 +387,7 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
       if checkpoint_files.Exists(path):
         raise base_runner.UserError(f'Cannot load checkpoint {path}: '
                                     f'{str(e).strip().splitlines()[0]}') from None
-      logging.info('Checkpoint %s was removed (rotation) while it was loaded; skipped.', path)
+      logging.warning('Checkpoint %s was removed (rotation) while it was loaded; skipped.', path)
       return None
     step = int(global_step.numpy())
     metrics, num_batches = base_runner.Evaluate(EvalStep, dataset, FLAGS.eval_batches)
