@@ -67,9 +67,13 @@ def Problem(path):
     for name in reader.get_variable_to_shape_map():
       reader.get_tensor(name)
   except READ_ERRORS as e:
-    lines = str(e).strip().splitlines() or [type(e).__name__]
-    return lines[0]
+    return ReadErrorLine(e)
   return None
+
+
+def ReadErrorLine(error):
+  """The first line of a READ_ERRORS exception's message, to report it in one line."""
+  return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def Newest(directory, after=-1, on_damaged=None):

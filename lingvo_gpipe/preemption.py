@@ -3,7 +3,8 @@
 Clusters preempt jobs with SIGTERM and people stop them with Ctrl-C; either
 way the steps since the last checkpoint should not be lost. The first signal
 only asks the training loop to stop after its current call; a second one
-ends the process at once. Python runs signal handlers in the main thread
+(after the first was received: the kernel merges a signal sent again while it
+is still pending) ends the process at once. Python runs signal handlers in the main thread
 between bytecodes, which can be long inside a TensorFlow call, so a watcher
 thread reads the signals from Python's wakeup fd instead and can exit while
 the main thread still computes.
@@ -61,8 +62,8 @@ class StopOnSignals:
         logging.warning('%s: stopping after this step with a checkpoint; a second signal '
                         'exits at once.', name)
         continue
-      sys.stderr.write(f'trainer: {name} again: exiting at once; training resumes from the '
-                       'last checkpoint.\n')
+      sys.stderr.write(f'trainer: second signal ({name}): exiting at once; training resumes '
+                       'from the last checkpoint.\n')
       sys.stderr.flush()
       os._exit(128 + signum)  # pylint: disable=protected-access
 

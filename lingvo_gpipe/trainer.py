@@ -363,7 +363,7 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
   train_dir = os.path.join(logdir, 'train')
   eval_dir = os.path.join(logdir, f'eval_{dataset_name.lower()}')
   task, global_step, _, checkpointer = _Instantiate(model_params, train_dir)
-  newest = checkpointer.Newest()
+  newest = checkpointer.Newest() if FLAGS.eval_once else None
   if FLAGS.eval_once and not newest:
     raise base_runner.UserError(f'No checkpoint in {train_dir} to evaluate.')
   dataset = base_runner.InputDataset(model_params.input)
@@ -386,7 +386,7 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
     except checkpoint_files.READ_ERRORS as e:
       if checkpoint_files.Exists(path):
         raise base_runner.UserError(f'Cannot load checkpoint {path}: '
-                                    f'{str(e).strip().splitlines()[0]}') from None
+                                    f'{checkpoint_files.ReadErrorLine(e)}') from None
       logging.warning('Checkpoint %s was removed (rotation) while it was loaded; skipped.', path)
       return None
     step = int(global_step.numpy())

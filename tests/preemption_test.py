@@ -53,8 +53,8 @@ def testASecondSignalExitsAtOnceEvenDuringALongCall():
   out, err = proc.communicate(timeout=30)
   assert time.time() - start < 5  # Not after the 60 s call.
   assert proc.returncode == 128 + signal.SIGINT and out == ''
-  assert err.splitlines()[-1] == ('trainer: SIGINT again: exiting at once; training resumes '
-                                  'from the last checkpoint.')
+  assert err.splitlines()[-1] == ('trainer: second signal (SIGINT): exiting at once; training '
+                                  'resumes from the last checkpoint.')
   assert 'Traceback' not in err
 
 
