@@ -295,6 +295,24 @@ def testCheckpointOfAnotherModelIsRefusedAndNothingWritten(tmp_path, capsys, mon
   assert _Listing(train_dir) == before
 
 
+def testAnEvalerPassesOverADamagedLatestCheckpointInOneLine(tmp_path, capsys, monkeypatch,
+                                                            caplog):
+  monkeypatch.setenv('LINGVO_GPIPE_PARAMS', _PARAMS_DIR)
+  logdir = str(tmp_path / 'log')
+  flags = [f'--model={_MODEL}', f'--logdir={logdir}', '--max_steps=4']
+  assert _MainInProcess(capsys, *flags)[0] == 0
+  latest = os.path.join(logdir, 'train', 'ckpt-4')
+  with open(latest + '.data-00000-of-00001', 'r+b') as f:
+    f.truncate(10)
+  before = _Listing(os.path.join(logdir, 'train'))
+  code, err = _MainInProcess(capsys, *flags, '--job=evaler_dev', '--eval_once')
+  assert code == 0 and 'Traceback' not in err, err
+  damaged = [r.getMessage() for r in caplog.records if 'is damaged' in r.getMessage()]
+  assert len(damaged) == 1 and damaged[0].startswith(f'Checkpoint {latest} is damaged (')
+  assert list(_Scalars(os.path.join(logdir, 'eval_dev'))['loss']) == [2]
+  assert _Listing(os.path.join(logdir, 'train')) == before  # An evaler only reads.
+
+
 def testAnEvalerSkipsACheckpointRemovedWhileItLoads(tmp_path, capsys, monkeypatch, caplog):
   monkeypatch.setenv('LINGVO_GPIPE_PARAMS', _PARAMS_DIR)
   logdir = str(tmp_path / 'log')
