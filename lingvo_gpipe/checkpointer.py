@@ -120,7 +120,7 @@ class Checkpointer:
       if problem is None:
         path = candidate
         break
-      logging.warning('Checkpoint %s is damaged (%s): moved to %s; an older one is used.',
+      logging.warning('Checkpoint %s is damaged (%s): moved to %s.',
                       candidate, problem, files.MoveAside(self._directory, step))
     steps = sorted(files.Steps(self._directory))
     if files.WriteState(self._directory, steps) and steps:

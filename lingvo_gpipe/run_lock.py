@@ -22,8 +22,9 @@ LOCK_FILE = 'trainer.lock'
 
 
 def _Describe(holder):
-  return (f'pid {holder.get("pid")} on host {holder.get("host")} since '
-          f'{holder.get("start")}')
+  if not holder:  # Locked, its holder not yet written.
+    return 'starting up'
+  return f'pid {holder["pid"]} on host {holder["host"]} since {holder.get("start")}'
 
 
 def _Holder(fd):
