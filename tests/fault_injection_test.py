@@ -249,8 +249,8 @@ def _SigtermMidRun(tmp, reference, base):
   assert match.group(2) == os.path.join(trainer.train_dir, f'ckpt-{step}')
   assert step == trainer.LastStep() == _NewestIntact(trainer.train_dir)
   _Resume(tmp, reference, step)
-  return _Outcome('SIGTERM mid-run', f'saved its step ({step}) and exited with one line, '
-                  'equal', 0)
+  return _Outcome('SIGTERM mid-run', 'saved the step it was on and exited with one line; '
+                  'resumed from it, equal', 0)
 
 
 def _SecondSignal(tmp, reference, base):
