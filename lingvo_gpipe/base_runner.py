@@ -35,7 +35,7 @@ class UserError(Exception):
 
 
 class NonFiniteError(UserError):
-  """The loss or the gradients became NaN or Inf."""
+  """The loss, the gradients or the updated weights became NaN or Inf."""
 
 
 def CheckPipelineBatches(model_params):
@@ -193,9 +193,18 @@ class _Progress:
     return str(datetime.timedelta(seconds=round(seconds)))
 
 
+def _NonFinite(out):
+  """What was not finite in a step's Learner.Apply outputs."""
+  loss, grad_norm = float(out.loss), float(out.grad_norm)
+  if np.isfinite(loss) and np.isfinite(grad_norm):
+    return (f'loss {loss:g} and gradient norm {grad_norm:g} are finite, but the update with '
+            f'learning rate {float(out.learning_rate):g} would make weights not finite')
+  return f'loss {loss:g}, gradient norm {grad_norm:g} is not finite'
+
+
 def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, batch_size,
-                pipeline_stats=None):
-  """Trains until settings.max_steps or the end of the input; returns the global step.
+                pipeline_stats=None, stop=None):
+  """Trains until settings.max_steps, the end of the input or a stop; returns the global step.
 
   Args:
     loop_fn: Learner.BuildLoop's function.
@@ -207,15 +216,18 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
     batch_size: examples per step, for examples_per_second (None to leave it out).
     pipeline_stats: a PipelineStats to measure the steps that reach multiples of
       its `every` and write their statistics as summaries; None measures nothing.
+    stop: None, or an object whose Stopped() becomes true to end training early
+      (preemption.StopOnSignals): checked before each loop call; the steps
+      done are saved.
 
   Raises:
-    NonFiniteError: when a step's loss or gradients are not finite; that step
-      is not applied and no checkpoint is written for it.
+    NonFiniteError: when a step's loss, gradients or new weights are not finite;
+      that step is not applied and no checkpoint is written for it.
   """
   s = settings
   step = int(global_step.numpy())
   progress = _Progress(s.max_steps, batch_size)
-  while step < s.max_steps:
+  while step < s.max_steps and not (stop and stop.Stopped()):
     # Loops end at checkpoint steps, so checkpoints land on multiples of the interval.
     to_save = s.save_interval_steps - step % s.save_interval_steps
     num_steps = int(min(s.steps_per_loop, s.max_steps - step, to_save))
@@ -236,10 +248,9 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
     seconds = time.time() - start
     new_step = int(global_step.numpy())
     if not bool(out.finite):
-      raise NonFiniteError(
-          f'Step {new_step}: loss {float(out.loss):g}, gradient norm {float(out.grad_norm):g} '
-          'is not finite; training stopped without applying the step. Last good checkpoint: '
-          f'{checkpointer.latest or "none"}.')
+      raise NonFiniteError(f'Step {new_step}: {_NonFinite(out)}; training stopped without '
+                           f'applying the step. Last good checkpoint: '
+                           f'{checkpointer.latest or "none"}.')
     if not measure:  # A measured step's time includes tracing it and the timing ops.
       progress.Record(new_step - step, seconds)
     speed = progress.Speed(new_step - step, seconds)

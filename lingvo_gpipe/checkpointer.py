@@ -1,11 +1,13 @@
 """Checkpoints named by global step that survive kill -9 and refuse other models.
 
-`<dir>/ckpt-<global step>` files are written by tf.train.CheckpointManager,
-which updates the `checkpoint` index file (atomically) only once a checkpoint's
-files are complete, so the latest checkpoint always loads, wherever a run is
-killed. Each checkpoint also stores the model's signature (every variable's
-name, shape and dtype), so restoring one from a different model stops with a
-message naming the first difference, before anything is loaded or written.
+`<dir>/ckpt-<global step>` checkpoints are found by what is on disk
+(checkpoint_files): the newest one that reads back in full is restored,
+whatever the `checkpoint` state file says. A save is read back before the
+state file names it and before older checkpoints are rotated away, so a run
+killed anywhere, even inside a save, resumes from an intact checkpoint. Each
+checkpoint also stores the model's signature (every variable's name, shape
+and dtype), so restoring one from a different model stops with a message
+naming the first difference, before anything is loaded or written.
 
 The model's variables are saved by name ('model/lm/stack/dec3/ff/fc1/w'), not
 by the Python objects that hold them, so the trainer and the Estimator write
@@ -17,6 +19,7 @@ from absl import logging
 import tensorflow as tf
 
 from lingvo_gpipe import base_runner
+from lingvo_gpipe import checkpoint_files as files
 
 _SIGNATURE = 'model_signature'
 _SIGNATURE_KEY = f'{_SIGNATURE}/.ATTRIBUTES/VARIABLE_VALUE'
@@ -98,7 +101,7 @@ class Checkpointer:
     variables: the model's variables (saved by name).
     global_step: the int64 global step variable; it numbers the checkpoints.
     optimizer: optional optimizer module (slots and counters).
-    max_to_keep: how many recent checkpoints to keep.
+    max_to_keep: how many recent checkpoints to keep (at least 1).
   """
 
   def __init__(self, directory, variables, global_step, optimizer=None, max_to_keep=5):
@@ -111,10 +114,11 @@ class Checkpointer:
                _SIGNATURE: tf.Variable(self._signature, trainable=False, name=_SIGNATURE)}
     if optimizer is not None:
       objects['optimizer'] = optimizer
-    self._manager = tf.train.CheckpointManager(
-        tf.train.Checkpoint(**objects), directory, max_to_keep=max_to_keep,
-        checkpoint_name='ckpt', step_counter=global_step)
+    self._checkpoint = tf.train.Checkpoint(**objects)
+    self._max_to_keep = max_to_keep
     self._saved_step = None
+    self._latest = None
+    self._reported = set()
 
   @property
   def directory(self):
@@ -122,8 +126,45 @@ class Checkpointer:
 
   @property
   def latest(self):
-    """Path of the latest complete checkpoint, or None."""
-    return self._manager.latest_checkpoint
+    """Path of the checkpoint this Checkpointer last restored or saved, or None."""
+    return self._latest
+
+  def Newest(self, after=-1):
+    """The newest intact checkpoint with a step > `after`, or None (checkpoint_files.Newest).
+
+    Each damaged checkpoint passed over is logged once.
+    """
+    return files.Newest(self._directory, after, self._ReportDamaged)
+
+  def _ReportDamaged(self, path, problem):
+    if path not in self._reported:
+      self._reported.add(path)
+      logging.warning('Checkpoint %s is damaged (%s); passing over it.', path, problem)
+
+  def Recover(self):
+    """Restores the newest intact checkpoint, tidying the directory first; returns it or None.
+
+    Only for the one process that writes the directory (the trainer, which
+    holds its lock): debris of interrupted saves is removed, damaged
+    checkpoints newer than the intact one are moved to <directory>/damaged
+    (never deleted), and the state file is rewritten to what is on disk.
+    """
+    for name in files.RemoveDebris(self._directory):
+      logging.info('Removed %s, left by an interrupted save.', name)
+    path = None
+    for step in files.Steps(self._directory):
+      candidate = files.CheckpointPath(self._directory, step)
+      problem = files.Problem(candidate)
+      if problem is None:
+        path = candidate
+        break
+      logging.warning('Checkpoint %s is damaged (%s): moved to %s.',
+                      candidate, problem, files.MoveAside(self._directory, step))
+    steps = sorted(files.Steps(self._directory))
+    if files.WriteState(self._directory, steps) and steps:
+      logging.info('Rewrote %s/%s from the checkpoints on disk (latest: ckpt-%d).',
+                   self._directory, files.STATE_FILE, steps[-1])
+    return self.Restore(path) if path else None
 
   def CheckModel(self, path):
     """Raises UserError if checkpoint `path` is not of this model."""
@@ -138,32 +179,48 @@ class Checkpointer:
                                   'Use another logdir, or the model and params it was written by.')
 
   def Restore(self, path=None):
-    """Restores `path` (default: the latest checkpoint); returns its path or None if none.
+    """Restores `path` (default: the newest intact checkpoint); returns its path or None if none.
 
     Model and global step must match exactly; optimizer slots are restored where
     the checkpoint has them (an optimizer changed between runs starts afresh).
     """
-    path = path or self.latest
+    path = path or self.Newest()
     if not path:
       return None
     self.CheckModel(path)
     try:
-      tf.train.Checkpoint(model=self._model, global_step=self._global_step).restore(
+      tf.train.Checkpoint(model=self._model, global_step=self._global_step).read(
           path).assert_existing_objects_matched().expect_partial()
     except AssertionError as e:
       raise base_runner.UserError(f'Checkpoint {path} does not hold this model\'s variables '
                                   f'in the expected layout: {str(e).splitlines()[0]}') from None
     if self._optimizer is not None:
-      tf.train.Checkpoint(optimizer=self._optimizer).restore(path).expect_partial()
+      tf.train.Checkpoint(optimizer=self._optimizer).read(path).expect_partial()
     self._saved_step = int(self._global_step.numpy())
+    self._latest = path
     logging.info('Restored %s (global step %d).', path, self._saved_step)
     return path
 
   def Save(self):
-    """Writes ckpt-<global step> unless this step is saved already; returns the latest path."""
+    """Writes ckpt-<global step> unless this step is saved already; returns the latest path.
+
+    The new checkpoint is read back before the state file names it and before
+    checkpoints beyond max_to_keep are deleted (oldest first).
+    """
     step = int(self._global_step.numpy())
-    if step != self._saved_step:
-      self._manager.save(checkpoint_number=step)
-      self._saved_step = step
-      logging.info('Saved checkpoint %s.', self.latest)
-    return self.latest
+    if step == self._saved_step:
+      return self._latest
+    path = files.CheckpointPath(self._directory, step)
+    self._checkpoint.write(path)
+    problem = files.Problem(path)
+    if problem:
+      raise base_runner.UserError(f'Checkpoint {path} does not read back after saving '
+                                  f'({problem}); the older checkpoints are kept.')
+    older = [s for s in files.Steps(self._directory) if s < step]
+    for old in older[self._max_to_keep - 1:]:
+      files.Remove(self._directory, old)
+    files.WriteState(self._directory, sorted(older[:self._max_to_keep - 1]) + [step])
+    self._saved_step = step
+    self._latest = path
+    logging.info('Saved checkpoint %s.', path)
+    return path

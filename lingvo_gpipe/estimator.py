@@ -38,6 +38,7 @@ import tensorflow as tf
 from lingvo_gpipe import base_model
 from lingvo_gpipe import base_model_params
 from lingvo_gpipe import base_runner
+from lingvo_gpipe import checkpoint_files
 from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import learner as learner_lib
 from lingvo_gpipe.core import metrics as metrics_lib
@@ -238,7 +239,7 @@ class Estimator:
       self._learner = learner_lib.Learner(train_params or base_model.TrainParams(),
                                           self._store.trainable_variables, self._global_step)
     checkpointer = self._Checkpointer()
-    checkpointer.Restore()
+    checkpointer.Recover()
     loop_fn = self._Function('train', dataset.element_spec, lambda: self._learner.BuildLoop(
         dataset.element_spec, self._ForwardBackward))
     c = self._config
@@ -307,11 +308,9 @@ class Estimator:
   # -- internals -------------------------------------------------------------------------
 
   def _LatestStep(self):
-    """The global step of model_dir's latest checkpoint (0 if none)."""
-    path = tf.train.latest_checkpoint(self.model_dir)
-    if not path:
-      return 0
-    return int(tf.train.load_checkpoint(path).get_tensor('global_step/.ATTRIBUTES/VARIABLE_VALUE'))
+    """The global step of model_dir's newest intact checkpoint (0 if none)."""
+    path = checkpoint_files.Newest(self.model_dir)
+    return checkpoint_files.Step(path) if path else 0
 
   def _Dataset(self, input_fn, mode, start_batch=0):
     params = dict(self._params, batch_size=self._batch_sizes[mode], start_batch=start_batch)

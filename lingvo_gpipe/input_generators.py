@@ -12,6 +12,7 @@ symbols and a target that is a fixed function of it (copy, reverse or sort).
 
 import contextlib
 import os
+import stat
 
 import numpy as np
 import tensorflow as tf
@@ -27,14 +28,25 @@ SYNTHETIC_TASKS = ('copy', 'reverse', 'sort')
 # The byte-level text input's vocabulary: one id per byte value.
 NUM_BYTES = 256
 
+_FILE_KINDS = {stat.S_IFIFO: 'a named pipe', stat.S_IFDIR: 'a directory',
+               stat.S_IFCHR: 'a character device', stat.S_IFBLK: 'a block device',
+               stat.S_IFSOCK: 'a socket'}
+
 DEFAULT_TEXT_FILE = os.path.join(os.path.dirname(__file__), 'data', 'pipelines.txt')
 TEXT_SPLITS = ('train', 'dev', 'test')
 
 
 @contextlib.contextmanager
 def _ReadingInputFile(p):
-  """Turns a missing or unreadable input_file into a ValueError naming it."""
+  """Turns a missing, unreadable or not regular input_file into a ValueError naming it.
+
+  Reading a named pipe or a device would wait for a writer or never end.
+  """
   try:
+    kind = stat.S_IFMT(os.stat(p.input_file).st_mode)
+    if kind != stat.S_IFREG:
+      raise ValueError(f'{p.name}: input_file {p.input_file!r} is not a regular file '
+                       f'({_FILE_KINDS.get(kind, "a special file")}); expected a file.')
     yield
   except OSError as e:
     raise ValueError(f'{p.name}: cannot read input_file {p.input_file!r}: '

@@ -3,7 +3,8 @@
 It owns what the trainer binary and the Estimator do alike with gradients:
 global-norm clipping over all of them (so over every pipeline stage), the
 learning-rate schedule, the optimizer, a guard that applies nothing when the
-loss or the gradients are not finite, and the global step. `BuildLoop` makes
+loss, the gradients or the updated weights would not be finite (so a saved
+checkpoint is always finite), and the global step. `BuildLoop` makes
 the device-side loop that runs several steps in one tf.function call
 (TPUEstimator's iterations_per_loop).
 """
@@ -50,7 +51,7 @@ class Learner:
     return self._train_params.learning_rate * self._schedule.Value(step)
 
   def Apply(self, step, metrics, grads_and_vars):
-    """Applies one step's gradients, unless the loss or the gradients are not finite.
+    """Applies one step's gradients, unless the loss, gradients or new weights are not finite.
 
     Args:
       step: the global step being computed (an int64 scalar tensor).
@@ -59,22 +60,24 @@ class Learner:
 
     Returns:
       NestedMap of loss, grad_norm (before clipping), learning_rate, finite (whether
-      the step was applied) and the metrics.
+      the step was applied: loss, gradients and every new weight and slot finite)
+      and the metrics.
     """
     loss = metrics.loss[0]
     grads = [g for g, _ in grads_and_vars]
     grad_norm = tf.linalg.global_norm(grads)
-    finite = tf.math.is_finite(loss) & tf.math.is_finite(grad_norm)
     learning_rate = self.LearningRate(step)
     clip = self._train_params.clip_gradient_norm_to_value
 
     def Update():
       clipped = tf.clip_by_global_norm(grads, clip, use_norm=grad_norm)[0] if clip > 0 else grads
-      self.optimizer.Apply(learning_rate, [(g, v) for g, (_, v) in zip(clipped, grads_and_vars)])
-      self.global_step.assign(step + 1)
-      return tf.constant(True)
+      applied = self.optimizer.Apply(learning_rate,
+                                     [(g, v) for g, (_, v) in zip(clipped, grads_and_vars)])
+      self.global_step.assign(step + tf.cast(applied, tf.int64))
+      return applied
 
-    tf.cond(finite, Update, lambda: tf.constant(False))
+    finite = tf.cond(tf.math.is_finite(loss) & tf.math.is_finite(grad_norm), Update,
+                     lambda: tf.constant(False))
     return py_utils.NestedMap(loss=loss, grad_norm=grad_norm, learning_rate=learning_rate,
                               finite=finite, metrics=metrics)
 

@@ -2,7 +2,8 @@
 
 An optimizer is configured by Params, creates its slots once for a list of
 variables (`CreateSlots`, eagerly, before the training step is traced) and then
-applies updates inside the step (`Apply`). Each slot lives on its variable's
+applies updates inside the step (`Apply`), all or none: an update that would
+make a weight or a slot NaN or Inf is not applied. Each slot lives on its variable's
 device, so a pipeline stage's optimizer state stays with that stage. Slots are
 keyed by variable name, so checkpoints read the same whatever the order in which
 variables are listed.
@@ -58,29 +59,51 @@ class BaseOptimizer(tf.Module):
     return self._slots[key]
 
   def Apply(self, learning_rate, grads_and_vars):
-    """Updates each variable from its gradient; counts the update."""
+    """Updates the variables and slots unless a new value would not be finite.
+
+    The new values are computed twice, once to check them and once to assign
+    them, so no second copy of the model and its slots is held at once.
+
+    Returns:
+      A bool scalar tensor: whether the update was applied (and counted).
+    """
+    def Finite(values):
+      return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for _, v in values])
+
+    def Assign():
+      for target, value in self._NewValues(learning_rate, grads_and_vars):
+        target.assign(value)
+      self.iterations.assign_add(1)
+      return tf.constant(True)
+
+    return tf.cond(Finite(self._NewValues(learning_rate, grads_and_vars)), Assign,
+                   lambda: tf.constant(False))
+
+  def _NewValues(self, learning_rate, grads_and_vars):
+    """[(variable or slot, its value after this update)] of every variable."""
     t = tf.cast(self.iterations + 1, tf.float32)
+    values = []
     for grad, var in grads_and_vars:
       with tf.device(var.device):
-        self._ApplyOne(tf.cast(learning_rate, var.dtype), tf.cast(grad, var.dtype), var,
-                       self.Slots(var), tf.cast(t, var.dtype))
-    self.iterations.assign_add(1)
+        values += self._NewValuesOne(tf.cast(learning_rate, var.dtype), tf.cast(grad, var.dtype),
+                                     var, self.Slots(var), tf.cast(t, var.dtype))
+    return values
 
   def _SlotInitialValues(self, var):
     """Slot name -> initial value, for one variable."""
     del var  # Unused: no slots by default.
     return {}
 
-  def _ApplyOne(self, lr, grad, var, slots, t):
-    """Updates `var`; t is the 1-based number of this update."""
-    raise NotImplementedError(f'{type(self).__name__}._ApplyOne')
+  def _NewValuesOne(self, lr, grad, var, slots, t):
+    """[(var or one of its slots, new value)]; t is the 1-based number of this update."""
+    raise NotImplementedError(f'{type(self).__name__}._NewValuesOne')
 
 
 class SGD(BaseOptimizer):
   """var -= lr * grad."""
 
-  def _ApplyOne(self, lr, grad, var, slots, t):
-    var.assign_sub(lr * grad)
+  def _NewValuesOne(self, lr, grad, var, slots, t):
+    return [(var, var - lr * grad)]
 
 
 class Momentum(BaseOptimizer):
@@ -99,10 +122,10 @@ class Momentum(BaseOptimizer):
   def _SlotInitialValues(self, var):
     return {'m': tf.zeros(var.shape, var.dtype)}
 
-  def _ApplyOne(self, lr, grad, var, slots, t):
+  def _NewValuesOne(self, lr, grad, var, slots, t):
     mu = self.params.momentum
-    m = slots['m'].assign(mu * slots['m'] + grad)
-    var.assign_sub(lr * (grad + mu * m if self.params.use_nesterov else m))
+    m = mu * slots['m'] + grad
+    return [(slots['m'], m), (var, var - lr * (grad + mu * m if self.params.use_nesterov else m))]
 
 
 class Adam(BaseOptimizer):
@@ -123,12 +146,12 @@ class Adam(BaseOptimizer):
   def _SlotInitialValues(self, var):
     return {'m': tf.zeros(var.shape, var.dtype), 'v': tf.zeros(var.shape, var.dtype)}
 
-  def _ApplyOne(self, lr, grad, var, slots, t):
+  def _NewValuesOne(self, lr, grad, var, slots, t):
     p = self.params
-    m = slots['m'].assign(p.beta1 * slots['m'] + (1 - p.beta1) * grad)
-    v = slots['v'].assign(p.beta2 * slots['v'] + (1 - p.beta2) * tf.square(grad))
+    m = p.beta1 * slots['m'] + (1 - p.beta1) * grad
+    v = p.beta2 * slots['v'] + (1 - p.beta2) * tf.square(grad)
     step_size = lr * tf.sqrt(1 - p.beta2 ** t) / (1 - p.beta1 ** t)
-    var.assign_sub(step_size * m / (tf.sqrt(v) + p.epsilon))
+    return [(slots['m'], m), (slots['v'], v), (var, var - step_size * m / (tf.sqrt(v) + p.epsilon))]
 
 
 class Adafactor(BaseOptimizer):
@@ -174,16 +197,18 @@ class Adafactor(BaseOptimizer):
       slots['m'] = tf.zeros(shape, var.dtype)
     return slots
 
-  def _ApplyOne(self, lr, grad, var, slots, t):
+  def _NewValuesOne(self, lr, grad, var, slots, t):
     p = self.params
     decay = 1 - t ** -p.decay_exponent
     grad_sq = tf.square(grad) + p.epsilon1
     if 'v' in slots:
-      v = slots['v'].assign(decay * slots['v'] + (1 - decay) * grad_sq)
+      v = decay * slots['v'] + (1 - decay) * grad_sq
+      new = [(slots['v'], v)]
       update = grad * tf.math.rsqrt(v)
     else:
-      vr = slots['vr'].assign(decay * slots['vr'] + (1 - decay) * tf.reduce_mean(grad_sq, -1))
-      vc = slots['vc'].assign(decay * slots['vc'] + (1 - decay) * tf.reduce_mean(grad_sq, -2))
+      vr = decay * slots['vr'] + (1 - decay) * tf.reduce_mean(grad_sq, -1)
+      vc = decay * slots['vc'] + (1 - decay) * tf.reduce_mean(grad_sq, -2)
+      new = [(slots['vr'], vr), (slots['vc'], vc)]
       row_factor = tf.math.rsqrt(vr / tf.reduce_mean(vr, -1, keepdims=True))
       update = grad * row_factor[..., tf.newaxis] * tf.math.rsqrt(vc)[..., tf.newaxis, :]
     if p.clipping_threshold > 0:
@@ -191,5 +216,6 @@ class Adafactor(BaseOptimizer):
     if p.multiply_by_parameter_scale:
       lr *= tf.maximum(tf.cast(p.epsilon2, var.dtype), _Rms(var))
     if 'm' in slots:
-      update = slots['m'].assign(p.beta1 * slots['m'] + (1 - p.beta1) * update)
-    var.assign_sub(lr * update)
+      update = p.beta1 * slots['m'] + (1 - p.beta1) * update
+      new.append((slots['m'], update))
+    return new + [(var, var - lr * update)]

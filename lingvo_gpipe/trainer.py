@@ -5,7 +5,9 @@
 
 Jobs (--job):
   controller,trainer  trains in this process: checkpoints <logdir>/train/ckpt-<step>,
-                      TensorBoard summaries in <logdir>/train; a rerun resumes.
+                      TensorBoard summaries in <logdir>/train; a rerun resumes from
+                      the newest intact checkpoint. One trainer per logdir (a lock
+                      file); SIGTERM or Ctrl-C saves after the current step and exits.
   evaler_dev, evaler_test
                       evaluate each new checkpoint of <logdir>/train on the Dev or
                       Test data, summaries in <logdir>/eval_dev or eval_test;
@@ -32,7 +34,9 @@ Mistakes a user can make are one line on stderr and exit code 1.
 import contextlib
 import dataclasses
 import os
+import signal
 import sys
+import time
 
 from absl import app
 from absl import flags
@@ -40,10 +44,13 @@ from absl import logging
 import tensorflow as tf
 
 from lingvo_gpipe import base_runner
+from lingvo_gpipe import checkpoint_files
 from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import cluster as cluster_lib
 from lingvo_gpipe import learner as learner_lib
 from lingvo_gpipe import pipeline_check
+from lingvo_gpipe import preemption
+from lingvo_gpipe import run_lock
 from lingvo_gpipe.core import pipeline_params
 from lingvo_gpipe.core import planner
 from lingvo_gpipe.core import py_utils
@@ -97,7 +104,7 @@ flags.DEFINE_string('model_params_override', '',
 flags.DEFINE_integer('max_steps', None, 'Shortcut for the override train.max_steps.')
 flags.DEFINE_integer('steps_per_loop', 1,
                      'Training steps per tf.function call (a device-side loop).')
-flags.DEFINE_integer('checkpoint_max_to_keep', 5, 'Recent checkpoints kept.')
+flags.DEFINE_integer('checkpoint_max_to_keep', 5, 'Recent checkpoints kept (at least 1).')
 flags.DEFINE_integer('check_steps', 3, '--mode=check_pipeline: training steps to compare.')
 flags.DEFINE_float('check_tolerance', 1e-4,
                    '--mode=check_pipeline: the largest relative difference that passes.')
@@ -117,6 +124,14 @@ flags.DEFINE_integer('pipeline_stats_every', 0,
                      '<logdir>/train/pipeline_trace_<step>.json. 0: off (no timing ops).')
 
 # -- flags -> configuration ------------------------------------------------------------
+
+
+def _CheckFlagsAtLeast(minimum, *names):
+  """Raises UserError naming the first of the integer flags `names` below `minimum`."""
+  for name in names:
+    value = FLAGS[name].value
+    if value is not None and value < minimum:
+      raise base_runner.UserError(f'--{name} must be >= {minimum}, got {value}.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,12 +170,8 @@ class ClusterConfig:
           f'--job={FLAGS.job} needs a cluster with a {cluster_lib.WORKER_JOB} job: '
           f'--cluster_spec={cluster_lib.WORKER_JOB}=host:port,host:port or TF_CONFIG; got '
           f'{spec or "none"}.')
-    for name in ('worker_split_size', 'num_cpu_devices', 'worker_replicas'):
-      if FLAGS[name].value is not None and FLAGS[name].value < 1:
-        raise base_runner.UserError(f'--{name} must be >= 1, got {FLAGS[name].value}.')
-    for name in ('worker_intra_op_threads', 'worker_inter_op_threads'):
-      if FLAGS[name].value < 0:
-        raise base_runner.UserError(f'--{name} must be >= 0, got {FLAGS[name].value}.')
+    _CheckFlagsAtLeast(1, 'worker_split_size', 'num_cpu_devices', 'worker_replicas')
+    _CheckFlagsAtLeast(0, 'worker_intra_op_threads', 'worker_inter_op_threads')
     if FLAGS.worker_timeout_secs <= 0:
       raise base_runner.UserError(
           f'--worker_timeout_secs must be > 0, got {FLAGS.worker_timeout_secs:g}.')
@@ -257,17 +268,16 @@ def _ApplyBalanceFile(task_params, path):
 
 def _PipelineStats(learner, forward_backward_fn, train_dir):
   """base_runner.PipelineStats of --pipeline_stats_every, or None when it is 0."""
+  _CheckFlagsAtLeast(0, 'pipeline_stats_every')
   every = FLAGS.pipeline_stats_every
-  if every < 0:
-    raise base_runner.UserError(f'--pipeline_stats_every must be >= 0, got {every}.')
   if not every:
     return None
   return base_runner.PipelineStats(every, learner.BuildMeasuredStep(forward_backward_fn),
                                    train_dir)
 
 
-def RunTrainer(model_params, logdir, input_device=None):
-  """Trains to train.max_steps, resuming from the latest checkpoint of <logdir>/train.
+def RunTrainer(model_params, logdir, input_device=None, stop=None):
+  """Trains to train.max_steps, resuming from the newest intact checkpoint of <logdir>/train.
 
   Args:
     model_params: the experiment's params.
@@ -275,13 +285,21 @@ def RunTrainer(model_params, logdir, input_device=None):
     input_device: None makes batches in this process. A cluster client gives
       the first stage's host CPU: batches are made there, not sent from the
       client each step, and ops the model leaves unplaced stay with their inputs.
+    stop: None, or a preemption.StopOnSignals: a signal ends training after the
+      current loop call with a checkpoint, and then raises preemption.Interrupted.
   """
   base_runner.CheckPipelineBatches(model_params)
   train_dir = os.path.join(logdir, 'train')
   _MakeWritableDir(train_dir)
+  with run_lock.RunLock(train_dir):
+    _Train(model_params, train_dir, logdir, input_device, stop)
+
+
+def _Train(model_params, train_dir, logdir, input_device, stop):
+  """RunTrainer's work, holding the lock of train_dir."""
   task, global_step, learner, checkpointer = _Instantiate(model_params, train_dir,
                                                           with_learner=True)
-  checkpointer.Restore()
+  checkpointer.Recover()
   step = int(global_step.numpy())
   t = model_params.train
   if step >= t.max_steps:
@@ -310,7 +328,9 @@ def RunTrainer(model_params, logdir, input_device=None):
       log_interval_steps=t.log_interval_steps)
   step = base_runner.RunTraining(loop_fn, iterator, global_step, checkpointer, writer,
                                  settings, base_runner.BatchSize(dataset.element_spec),
-                                 _PipelineStats(learner, ForwardBackward, train_dir))
+                                 _PipelineStats(learner, ForwardBackward, train_dir), stop)
+  if stop:
+    stop.Check(step, checkpointer.latest)
   logging.info('Trained to step %d. Latest checkpoint: %s; TensorBoard: tensorboard --logdir=%s',
                step, checkpointer.latest, logdir)
 
@@ -329,7 +349,8 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
   train_dir = os.path.join(logdir, 'train')
   eval_dir = os.path.join(logdir, f'eval_{dataset_name.lower()}')
   task, global_step, _, checkpointer = _Instantiate(model_params, train_dir)
-  if FLAGS.eval_once and not checkpointer.latest:
+  newest = checkpointer.Newest() if FLAGS.eval_once else None
+  if FLAGS.eval_once and not newest:
     raise base_runner.UserError(f'No checkpoint in {train_dir} to evaluate.')
   dataset = base_runner.InputDataset(model_params.input)
   if FLAGS.eval_batches is None and dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
@@ -345,7 +366,15 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
   writer = tf.summary.create_file_writer(eval_dir)
 
   def EvaluateCheckpoint(path):
-    checkpointer.Restore(path)
+    """The step of `path` once evaluated, or None if rotation removed it while it loaded."""
+    try:
+      checkpointer.Restore(path)
+    except checkpoint_files.READ_ERRORS as e:
+      if checkpoint_files.Exists(path):
+        raise base_runner.UserError(f'Cannot load checkpoint {path}: '
+                                    f'{checkpoint_files.ReadErrorLine(e)}') from None
+      logging.warning('Checkpoint %s was removed (rotation) while it was loaded; skipped.', path)
+      return None
     step = int(global_step.numpy())
     metrics, num_batches = base_runner.Evaluate(EvalStep, dataset, FLAGS.eval_batches)
     base_runner.WriteScalars(writer, step, metrics)
@@ -354,24 +383,42 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
     return step
 
   if FLAGS.eval_once:
-    EvaluateCheckpoint(checkpointer.latest)
+    if EvaluateCheckpoint(newest) is None:
+      raise base_runner.UserError(f'Checkpoint {newest} was removed before it was evaluated.')
     return
   max_steps = model_params.train.max_steps
   logging.info('Waiting for checkpoints in %s; evaluating until train.max_steps=%d.', train_dir,
                max_steps)
   step = None
-  for path in tf.train.checkpoints_iterator(train_dir, timeout=FLAGS.eval_timeout_secs):
-    try:
-      step = EvaluateCheckpoint(path)
-    except tf.errors.NotFoundError:
-      logging.info('Checkpoint %s was deleted before it could be evaluated.', path)
-      continue
-    if step >= max_steps:
+  for path in _NewCheckpoints(checkpointer, FLAGS.eval_timeout_secs):
+    evaluated = EvaluateCheckpoint(path)
+    step = step if evaluated is None else evaluated
+    if step is not None and step >= max_steps:
       return
   evaluated = 'none evaluated yet' if step is None else f'last evaluated: step {step}'
   raise base_runner.UserError(
       f'No new checkpoint in {train_dir} for --eval_timeout_secs={FLAGS.eval_timeout_secs:g} '
       f'({evaluated}, train.max_steps={max_steps}): is the trainer running?')
+
+
+def _NewCheckpoints(checkpointer, timeout_secs, poll_secs=1.0):
+  """Yields the newest intact checkpoint each time there is a newer one than the last.
+
+  Found by listing and verifying (Checkpointer.Newest), not by the state file.
+  Ends when none arrives for timeout_secs after the last (None: waits forever).
+  """
+  last, deadline = -1, None
+  while True:
+    path = checkpointer.Newest(after=last)
+    if path:
+      last, deadline = checkpoint_files.Step(path), None
+      yield path
+      continue
+    if timeout_secs is not None:
+      deadline = deadline or time.time() + timeout_secs
+      if time.time() >= deadline:
+        return
+    time.sleep(poll_secs)
 
 
 def RunWorker(cluster):
@@ -393,11 +440,14 @@ def RunClusterClient(model_params, cluster, dataset_name):
     cluster_lib.Connect(cluster.spec, cluster.timeout_secs)
     PlacePipelines(model_params.task, cluster.worker_split_size, cluster.worker_replicas)
     if cluster.job == 'trainer_client':
-      RunTrainer(model_params, FLAGS.logdir, cluster_lib.InputDevice())
+      RunTrainer(model_params, FLAGS.logdir, cluster_lib.InputDevice(), stop)
     else:
       RunEvaler(model_params, FLAGS.logdir, dataset_name, on_cluster=True)
 
-  cluster_lib.HealthMonitor(addresses, cluster.timeout_secs).Run(Job)
+  # Signal handlers can only be set here, in the main thread.
+  with (preemption.StopOnSignals() if cluster.job == 'trainer_client' else
+        contextlib.nullcontext()) as stop:
+    cluster_lib.HealthMonitor(addresses, cluster.timeout_secs).Run(Job)
 
 
 def _SetUpLocalDevices(model_params, cluster):
@@ -432,6 +482,8 @@ def _Run():
   if not FLAGS.model:
     raise base_runner.UserError('--model is required (a registry key such as '
                                 'lm.synthetic.GPipeTransformerLmTiny).')
+  _CheckFlagsAtLeast(0, 'max_steps')
+  _CheckFlagsAtLeast(1, 'checkpoint_max_to_keep')
   dataset_name = {'evaler_dev': 'Dev', 'evaler_test': 'Test'}.get(FLAGS.job, 'Train')
   model_params = base_runner.LoadModelParams(FLAGS.model, dataset_name,
                                              FLAGS.model_params_override, FLAGS.max_steps)
@@ -450,7 +502,8 @@ def _Run():
     return
   _SetUpLocalDevices(model_params, cluster)
   if FLAGS.job == 'controller,trainer':
-    RunTrainer(model_params, FLAGS.logdir)
+    with preemption.StopOnSignals() as stop:
+      RunTrainer(model_params, FLAGS.logdir, stop=stop)
   else:
     RunEvaler(model_params, FLAGS.logdir, dataset_name)
 
@@ -460,6 +513,12 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {" ".join(argv[1:])}')
   try:
     _Run()
+  except preemption.Interrupted as e:
+    sys.stderr.write(f'trainer: {e}\n')
+    sys.exit(128 + e.signum)
+  except KeyboardInterrupt:  # Ctrl-C outside training: no traceback.
+    sys.stderr.write('trainer: interrupted (SIGINT).\n')
+    sys.exit(128 + signal.SIGINT)
   except base_runner.UserError as e:
     sys.stderr.write(f'trainer: error: {" ".join(str(e).split())}\n')
     if isinstance(e, cluster_lib.WorkerUnavailableError):

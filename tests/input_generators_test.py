@@ -1,5 +1,6 @@
 """Tests of input generators: deterministic with a seed, and holding what they claim."""
 
+import os
 import re
 
 import numpy as np
@@ -172,6 +173,19 @@ def testMissingInputFileIsAClearError(tmp_path, params):
   with pytest.raises(ValueError, match=rf"cannot read input_file '{re.escape(missing)}': "
                                        r'No such file or directory'):
     params.Set(input_file=missing).Instantiate()
+
+
+@pytest.mark.parametrize('params', [ig.TextLmInput.Params(), ig.NpzImageInput.Params()])
+@pytest.mark.parametrize('kind', ['a named pipe', 'a directory'])
+def testAnInputFileThatIsNotARegularFileIsAClearError(tmp_path, params, kind):
+  path = str(tmp_path / 'special')
+  if kind == 'a named pipe':
+    os.mkfifo(path)  # Opening it would wait for a writer: the test would hang.
+  else:
+    os.mkdir(path)
+  with pytest.raises(ValueError, match=rf"input_file '{re.escape(path)}' is not a regular file "
+                                       rf'\({kind}\); expected a file.'):
+    params.Set(input_file=path).Instantiate()
 
 
 # -- images -------------------------------------------------------------------------

@@ -142,3 +142,33 @@ def testApplyWithoutSlotsIsAClearError():
   opt = optimizer.SGD.Params().Instantiate()
   with pytest.raises(KeyError, match='CreateSlots'):
     opt.Apply(0.1, [(tf.ones([1]), tf.Variable([1.0], name='unknown'))])
+
+
+_ALL_OPTIMIZERS = [optimizer.SGD.Params(), optimizer.Momentum.Params(), optimizer.Adam.Params(),
+                   optimizer.Adafactor.Params().Set(beta1=0.9, min_dim_size_to_factor=2)]
+
+
+@pytest.mark.parametrize('params', _ALL_OPTIMIZERS, ids=lambda p: p.cls.__name__)
+@pytest.mark.parametrize('lr', [float('nan'), float('inf'), 1e39])
+def testAnUpdateThatWouldNotBeFiniteIsNotApplied(params, lr):
+  var = tf.Variable(np.ones([2, 2], np.float32), name='w')
+  opt = params.Instantiate()
+  opt.CreateSlots([var])
+  grad = tf.constant([[0.5, -1.0], [2.0, 0.25]])
+  assert bool(tf.function(opt.Apply)(0.1, [(grad, var)]))  # A finite update first.
+  before = [v.numpy().copy() for v in opt.variables + (var,)]
+  assert not bool(tf.function(opt.Apply)(lr, [(grad, var)]))
+  after = [v.numpy() for v in opt.variables + (var,)]
+  assert int(opt.iterations.numpy()) == 1
+  for old, new in zip(before, after):
+    np.testing.assert_array_equal(old, new)
+
+
+def testAnUpdateThatOverflowsTheWeightsIsNotApplied():
+  var = tf.Variable([3e38, 1.0], name='w')
+  opt = optimizer.SGD.Params().Instantiate()
+  opt.CreateSlots([var])
+  assert not bool(opt.Apply(1.0, [(tf.constant([-1e38, 0.0]), var)]))  # 4e38 > float32 max.
+  np.testing.assert_array_equal(var.numpy(), np.array([3e38, 1.0], np.float32))
+  assert bool(opt.Apply(1.0, [(tf.constant([1e38, 0.0]), var)]))
+  assert var.numpy()[0] == np.float32(3e38) - np.float32(1e38)

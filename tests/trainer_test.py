@@ -20,6 +20,8 @@ import tensorflow as tf
 
 from lingvo_gpipe import base_model
 from lingvo_gpipe import base_runner
+from lingvo_gpipe import checkpoint_files
+from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import learner as learner_lib
 from lingvo_gpipe import optimizer
 from lingvo_gpipe import trainer
@@ -259,6 +261,9 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
        "task's params hold none"),
       ([model, '--num_cpu_devices=0'], '--num_cpu_devices must be >= 1, got 0.'),
       ([model], '--logdir is required.'),
+      ([model, logdir, '--max_steps=-5'], '--max_steps must be >= 0, got -5.'),
+      ([model, logdir, '--checkpoint_max_to_keep=0'],
+       '--checkpoint_max_to_keep must be >= 1, got 0.'),
   ]
   for argv, message in cases:
     code, err = _MainInProcess(capsys, *argv)
@@ -288,6 +293,54 @@ def testCheckpointOfAnotherModelIsRefusedAndNothingWritten(tmp_path, capsys, mon
       'regression/pipe/hidden/b is [8] float32 there, [16] float32 here (and 2 more '
       'differences). Use another logdir, or the model and params it was written by.']
   assert _Listing(train_dir) == before
+
+
+def testAnEvalerPassesOverADamagedLatestCheckpointInOneLine(tmp_path, capsys, monkeypatch,
+                                                            caplog):
+  monkeypatch.setenv('LINGVO_GPIPE_PARAMS', _PARAMS_DIR)
+  logdir = str(tmp_path / 'log')
+  flags = [f'--model={_MODEL}', f'--logdir={logdir}', '--max_steps=4']
+  assert _MainInProcess(capsys, *flags)[0] == 0
+  latest = os.path.join(logdir, 'train', 'ckpt-4')
+  with open(latest + '.data-00000-of-00001', 'r+b') as f:
+    f.truncate(10)
+  before = _Listing(os.path.join(logdir, 'train'))
+  code, err = _MainInProcess(capsys, *flags, '--job=evaler_dev', '--eval_once')
+  assert code == 0 and 'Traceback' not in err, err
+  damaged = [r.getMessage() for r in caplog.records if 'is damaged' in r.getMessage()]
+  assert len(damaged) == 1 and damaged[0].startswith(f'Checkpoint {latest} is damaged (')
+  assert list(_Scalars(os.path.join(logdir, 'eval_dev'))['loss']) == [2]
+  assert _Listing(os.path.join(logdir, 'train')) == before  # An evaler only reads.
+
+
+def testAnEvalerSkipsACheckpointRemovedWhileItLoads(tmp_path, capsys, monkeypatch, caplog):
+  monkeypatch.setenv('LINGVO_GPIPE_PARAMS', _PARAMS_DIR)
+  logdir = str(tmp_path / 'log')
+  flags = [f'--model={_MODEL}', f'--logdir={logdir}', '--max_steps=4']
+  assert _MainInProcess(capsys, *flags)[0] == 0
+  train_dir = os.path.join(logdir, 'train')
+  load_checkpoint = tf.train.load_checkpoint
+  check_model = checkpointer_lib.Checkpointer.CheckModel
+
+  def OpenedThenRotatedAway(path):
+    reader = load_checkpoint(path)
+    checkpoint_files.Remove(train_dir, checkpoint_files.Step(path))
+    return reader
+
+  def CheckModelDuringRotation(self, path):
+    with monkeypatch.context() as patch:
+      patch.setattr(tf.train, 'load_checkpoint', OpenedThenRotatedAway)
+      return check_model(self, path)
+
+  monkeypatch.setattr(checkpointer_lib.Checkpointer, 'CheckModel', CheckModelDuringRotation)
+  code, err = _MainInProcess(capsys, *flags, '--job=evaler_dev', '--eval_timeout_secs=0.5')
+  assert code == 1 and 'Traceback' not in err
+  skipped = [r.getMessage() for r in caplog.records if 'removed (rotation)' in r.getMessage()]
+  assert skipped == [f'Checkpoint {train_dir}/ckpt-4 was removed (rotation) while it was '
+                     'loaded; skipped.']
+  assert _ErrorLines(err) == [
+      f'trainer: error: No new checkpoint in {train_dir} for --eval_timeout_secs=0.5 (none '
+      'evaluated yet, train.max_steps=4): is the trainer running?']
 
 
 # -- in process: flags, stages, the Learner -------------------------------------------
@@ -339,6 +392,16 @@ def testLearnerAppliesNothingWhenNotFinite(loss, grad):
   learner = _SgdLearner([var])
   out = learner.Apply(tf.constant(0, tf.int64), _Metrics(loss), [(tf.constant([grad]), var)])
   assert not bool(out.finite)
+  assert var.numpy()[0] == 1.0 and int(learner.global_step.numpy()) == 0
+  assert int(learner.optimizer.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize('learning_rate', [float('nan'), float('inf'), 1e39])
+def testLearnerAppliesNothingWhenTheUpdateIsNotFinite(learning_rate):
+  var = tf.Variable([1.0], name='w')
+  learner = _SgdLearner([var], learning_rate=learning_rate)
+  out = learner.Apply(tf.constant(0, tf.int64), _Metrics(1.0), [(tf.constant([0.5]), var)])
+  assert not bool(out.finite) and np.isfinite(float(out.loss))
   assert var.numpy()[0] == 1.0 and int(learner.global_step.numpy()) == 0
   assert int(learner.optimizer.iterations.numpy()) == 0
 

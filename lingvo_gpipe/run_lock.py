@@ -1,0 +1,99 @@
+"""One trainer per logdir: a lock file naming its holder's host, pid and start time.
+
+Two trainers writing one directory would interleave their checkpoints, so a
+second one refuses to start. The lock is an flock on <dir>/trainer.lock, which
+the kernel releases when its process dies, even by kill -9; the file's text
+says who holds it. A file left by a dead process on this host is stale and
+taken over; one from another host is refused, since whether its process lives
+cannot be told from here.
+"""
+
+import datetime
+import fcntl
+import json
+import os
+import socket
+
+from absl import logging
+
+from lingvo_gpipe import base_runner
+
+LOCK_FILE = 'trainer.lock'
+
+
+def _Describe(holder):
+  if not holder:  # Locked, its holder not yet written.
+    return 'starting up'
+  return f'pid {holder["pid"]} on host {holder["host"]} since {holder.get("start")}'
+
+
+def _Holder(fd):
+  """The holder written in the open lock file: {host, pid, start}, or {} if none readable."""
+  os.lseek(fd, 0, os.SEEK_SET)
+  try:
+    holder = json.loads(os.read(fd, 4096).decode())
+  except (UnicodeDecodeError, ValueError):
+    return {}
+  valid = (isinstance(holder, dict) and isinstance(holder.get('host'), str) and
+           isinstance(holder.get('pid'), int) and holder['pid'] > 0)
+  return holder if valid else {}
+
+
+def _PidAlive(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # Alive, another user's.
+    return True
+  return True
+
+
+class RunLock:
+  """Context manager that holds <directory>/trainer.lock, or raises UserError naming its holder."""
+
+  def __init__(self, directory):
+    self._path = os.path.join(directory, LOCK_FILE)
+    self._fd = None
+
+  def __enter__(self):
+    while self._fd is None:
+      fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        holder = _Holder(fd)
+        os.close(fd)
+        raise base_runner.UserError(
+            f'{os.path.dirname(self._path)} is in use by another trainer ({_Describe(holder)}): '
+            'one trainer per logdir; stop it or use another --logdir.') from None
+      if os.path.exists(self._path) and os.stat(self._path).st_ino == os.fstat(fd).st_ino:
+        self._fd = fd
+      else:  # The holder removed the file as we opened it: lock the new one.
+        os.close(fd)
+    self._TakeOver(_Holder(self._fd))
+    os.ftruncate(self._fd, 0)
+    os.lseek(self._fd, 0, os.SEEK_SET)
+    os.write(self._fd, json.dumps({
+        'host': socket.gethostname(), 'pid': os.getpid(),
+        'start': datetime.datetime.now().isoformat(timespec='seconds')}).encode())
+    os.fsync(self._fd)
+    return self
+
+  def _TakeOver(self, holder):
+    """Accepts a holder left in the file if its process died (a message), else refuses."""
+    if not holder:
+      return
+    if holder['host'] != socket.gethostname() or _PidAlive(holder['pid']):
+      os.close(self._fd)
+      self._fd = None
+      raise base_runner.UserError(
+          f'{self._path} names {_Describe(holder)}, which may still be running: if no trainer '
+          'uses this logdir, delete the file.')
+    logging.warning('Taking over the stale lock %s of %s: that process is gone.', self._path,
+                    _Describe(holder))
+
+  def __exit__(self, *unused_exc_info):
+    os.remove(self._path)
+    os.close(self._fd)
+    self._fd = None

@@ -1,0 +1,78 @@
+"""Tests of run_lock: one holder at a time, stale locks taken over, unknown ones refused."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from lingvo_gpipe import base_runner
+from lingvo_gpipe import run_lock
+
+
+def _LockFile(directory):
+  return os.path.join(directory, run_lock.LOCK_FILE)
+
+
+def _WriteHolder(directory, host, pid):
+  with open(_LockFile(directory), 'w') as f:
+    json.dump({'host': host, 'pid': pid, 'start': '2020-01-01T00:00:00'}, f)
+
+
+def _DeadPid():
+  proc = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'],
+                        capture_output=True, text=True, check=True)
+  return int(proc.stdout)
+
+
+def testTheHolderIsWrittenAndASecondLockRefusedInOneLine(tmp_path):
+  with run_lock.RunLock(str(tmp_path)):
+    holder = json.load(open(_LockFile(tmp_path)))
+    assert holder['host'] == socket.gethostname() and holder['pid'] == os.getpid()
+    with pytest.raises(base_runner.UserError) as e:
+      run_lock.RunLock(str(tmp_path)).__enter__()
+    assert str(e.value) == (
+        f'{tmp_path} is in use by another trainer (pid {os.getpid()} on host '
+        f'{socket.gethostname()} since {holder["start"]}): one trainer per logdir; stop it or '
+        'use another --logdir.')
+  assert not os.path.exists(_LockFile(tmp_path))
+
+
+def testALockHeldByAnotherProcessIsRefused(tmp_path):
+  script = ('import sys, time; from lingvo_gpipe import run_lock\n'
+            f'with run_lock.RunLock({str(tmp_path)!r}):\n'
+            '  print("held", flush=True); sys.stdin.read()\n')
+  holder = subprocess.Popen([sys.executable, '-c', script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline() == 'held\n'
+    with pytest.raises(base_runner.UserError, match=f'in use by another trainer '
+                                                    f'\\(pid {holder.pid} '):
+      run_lock.RunLock(str(tmp_path)).__enter__()
+  finally:
+    holder.communicate('')
+  with run_lock.RunLock(str(tmp_path)):  # Released at its exit.
+    pass
+
+
+def testAStaleLockOfADeadProcessIsTakenOverWithAMessage(tmp_path, caplog):
+  dead = _DeadPid()
+  _WriteHolder(tmp_path, socket.gethostname(), dead)
+  with run_lock.RunLock(str(tmp_path)):
+    assert json.load(open(_LockFile(tmp_path)))['pid'] == os.getpid()
+  messages = [r.getMessage() for r in caplog.records if 'stale lock' in r.getMessage()]
+  assert len(messages) == 1 and f'pid {dead} on host {socket.gethostname()}' in messages[0]
+
+
+@pytest.mark.parametrize('host, alive', [('elsewhere', False), (None, True)])
+def testALockThatMayStillBeHeldIsRefusedAndKept(tmp_path, host, alive):
+  host = host or socket.gethostname()
+  pid = os.getppid() if alive else _DeadPid()
+  _WriteHolder(tmp_path, host, pid)
+  before = open(_LockFile(tmp_path)).read()
+  with pytest.raises(base_runner.UserError, match=f'names pid {pid} on host {host} since .*, '
+                                                  'which may still be running'):
+    run_lock.RunLock(str(tmp_path)).__enter__()
+  assert open(_LockFile(tmp_path)).read() == before
