@@ -28,7 +28,8 @@ class _Model(tf.Module):
 def _Checkpointer(directory, max_to_keep=3):
   model = _Model()
   step = tf.Variable(0, dtype=tf.int64, name='global_step')
-  return checkpointer_lib.Checkpointer(str(directory), model, step, max_to_keep=max_to_keep), model
+  return checkpointer_lib.Checkpointer(str(directory), model.variables, step,
+                                       max_to_keep=max_to_keep), model
 
 
 def _TrainTo(checkpointer, model, steps):

@@ -24,6 +24,7 @@ import tensorflow as tf
 from lingvo_gpipe import cluster as cluster_lib
 from lingvo_gpipe import trainer
 from lingvo_gpipe.core import devices as devices_lib
+from lingvo_gpipe.core import pipeline_params
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_TESTS)
@@ -164,7 +165,7 @@ def testWorkerReplicasAndSplitSizeReachTheModelsPipelines(monkeypatch):
   monkeypatch.setattr(devices_lib, 'AvailableDevices', lambda: names)
   params = trainer.base_runner.LoadModelParams('lm.synthetic.GPipeTransformerLmTiny', 'Train')
   stack = params.task.stack
-  stages = trainer.NumStages(params.task)
+  stages = pipeline_params.MaxStages(params.task)
   trainer.PlacePipelines(params.task, split_size=3, replicas=2)
   assert stack.num_replicas == 2
   assert stack.devices == names[:stages] + names[3:3 + stages]

@@ -61,8 +61,14 @@ def testStageDevices():
   found = devices.AvailableDevices()
   assert len(found) >= 4 and all('CPU' in d for d in found)
   assert devices.StageDevices(2) == found[:2]
-  assert devices.StageDevices(3, ['a', 'b'], allow_reuse=True) == ['a', 'b', 'a']
+  a, b = found[:2]
+  assert devices.StageDevices(3, [a, b], allow_reuse=True) == [a, b, a]
   with pytest.raises(ValueError, match=r'needs 3 devices \(3 stages\) but only 2 devices were given'):
-    devices.StageDevices(3, ['a', 'b'])
+    devices.StageDevices(3, [a, b])
+  # A device TensorFlow does not have would silently become another one: refused.
+  with pytest.raises(ValueError, match=r"Device '/device:GPU:3' does not exist here"):
+    devices.StageDevices(2, [a, '/device:GPU:3'])
+  assert devices.StageDevices(1, ['/job:localhost/replica:0/task:0/device:CPU:1']) == [
+      '/job:localhost/replica:0/task:0/device:CPU:1']
   with pytest.raises(ValueError, match='allow_device_reuse'):
     devices.StageDevices(len(found) + 1)

@@ -454,3 +454,73 @@ def testModelInputOverrideReachesTheTaskCheck():
   assert params.task.input.seq_len == 40
   with pytest.raises(ValueError, match='40'):
     params.task.Instantiate()
+
+
+# -- one run, any layout: resume under another cut, a balance plan, unpipelined ----------
+
+
+_TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tools')
+
+
+def testARunResumesUnderAnotherCutAPlanAndUnpipelinedWithTheSameLosses(tmp_path):
+  """K=2 (as registered) -> plan_balance's K=3, M=4 -> one stage: the losses and final
+  weights of an uninterrupted K=2 run (relative 1e-5)."""
+  tiny = 'lm.synthetic.GPipeTransformerLmTiny'
+  common = ('train.save_interval_steps : 3; train.summary_interval_steps : 1; '
+            'train.log_interval_steps : 3')
+
+  def Train(logdir, max_steps, override='', *flags):
+    _Ok(_Run(f'--logdir={logdir}', f'--model_params_override={common}; train.max_steps : '
+             f'{max_steps}{override}', *flags, model=tiny))
+
+  Train(tmp_path / 'whole', 9)
+  moved = tmp_path / 'moved'
+  Train(moved, 3)
+  plan = str(tmp_path / 'plan.json')
+  proc = subprocess.run([sys.executable, os.path.join(_TOOLS, 'plan_balance.py'),
+                         f'--model={tiny}', '--stages=3', '--micro_batches=4', '--repeats=1',
+                         f'--out={plan}'], env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'),
+                        capture_output=True, text=True, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  Train(moved, 6, '', f'--balance_file={plan}')
+  Train(moved, 9, '; task.stack.splits : 1')
+  want = _Scalars(os.path.join(tmp_path, 'whole', 'train'))['loss']
+  got = _Scalars(os.path.join(moved, 'train'))['loss']
+  assert sorted(got) == sorted(want) and len(want) >= 8
+  for step, value in want.items():
+    assert abs(got[step] - value) <= 1e-5 * abs(value), (step, got[step], value)
+  final = [_Checkpoint(os.path.join(d, 'train', 'ckpt-9')) for d in (tmp_path / 'whole', moved)]
+  assert sorted(final[0]) == sorted(final[1])
+  for name, value in final[0].items():
+    if not (name.startswith('model/') and value.dtype.kind == 'f'):
+      continue
+    if 'key_proj/b/' in name:
+      # Its gradient is 0 but for rounding (a softmax ignores a shift), which Adam scales up
+      # to steps of the learning rate: both runs hold such noise, and only that.
+      assert max(np.abs(value).max(), np.abs(final[1][name]).max()) < 1e-2, name
+      continue
+    scale = float(np.abs(value).max())
+    assert float(np.abs(final[1][name] - value).max()) <= 1e-5 * scale, name
+
+
+def testTrainerAndEstimatorShareOneCheckpointLayout(tmp_path):
+  """A trainer checkpoint trains on in an Estimator's model_dir, and back."""
+  from lingvo_gpipe import estimator  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe import model_registry  # pylint: disable=g-import-not-at-top
+  model_registry.ImportParams(_PARAMS_DIR)
+  logdir = tmp_path / 'run'
+  _Ok(_Run(f'--logdir={logdir}', '--max_steps=2'))
+  model_dir = str(logdir / 'train')
+  est = estimator.Estimator.from_registry(_MODEL, estimator.RunConfig(
+      model_dir=model_dir, iterations_per_loop=2, save_checkpoints_steps=2))
+  assert est.evaluate(estimator.RegistryInputFn(_MODEL, 'Dev'))['global_step'] == 2
+  est.train(estimator.RegistryInputFn(_MODEL, 'Train'), max_steps=4)
+  err = _Ok(_Run(f'--logdir={logdir}', '--max_steps=6'))
+  assert 'from step 4 to 6' in err
+  # The same 6 steps in one trainer run give the same weights.
+  _Ok(_Run(f'--logdir={tmp_path / "whole"}', '--max_steps=6'))
+  want = _Checkpoint(str(tmp_path / 'whole' / 'train' / 'ckpt-6'))
+  got = _Checkpoint(str(logdir / 'train' / 'ckpt-6'))
+  for name, value in want.items():
+    if name.startswith('model/'):
+      np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
