@@ -34,6 +34,11 @@ import dataclasses
 import os
 import sys
 
+from lingvo_gpipe import binaries
+
+binaries.QuietTensorFlow()  # Before TensorFlow is imported.
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 from absl import logging
@@ -47,6 +52,7 @@ from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core import planner
 from lingvo_gpipe.core import py_utils
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 _LOCAL_JOBS = ('controller,trainer', 'evaler_dev', 'evaler_test')
 _CLUSTER_JOBS = ('trainer_client', 'worker')
@@ -463,7 +469,7 @@ def main(argv):
 
 def Main():
   """Console-script entry point."""
-  app.run(main)
+  binaries.Run(main)
 
 
 if __name__ == '__main__':

@@ -36,9 +36,14 @@ _STEP_KEY = 'global_step/.ATTRIBUTES/VARIABLE_VALUE'
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _Start(*flags, model=_MODEL):
-  """Starts the trainer binary with `flags`; returns the Popen."""
-  env = dict(os.environ, LINGVO_GPIPE_PARAMS=_PARAMS_DIR, TF_CPP_MIN_LOG_LEVEL='2')
+def _Start(*flags, model=_MODEL, cpp_log_level='2'):
+  """Starts the trainer binary with `flags`; returns the Popen.
+
+  cpp_log_level: TF_CPP_MIN_LOG_LEVEL, or None to leave it to the binary.
+  """
+  env = dict(os.environ, LINGVO_GPIPE_PARAMS=_PARAMS_DIR, TF_CPP_MIN_LOG_LEVEL=cpp_log_level)
+  if cpp_log_level is None:
+    del env['TF_CPP_MIN_LOG_LEVEL']
   args = [sys.executable, '-m', 'lingvo_gpipe.trainer'] + ([f'--model={model}'] if model else [])
   return subprocess.Popen(args + list(flags), env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
@@ -186,6 +191,21 @@ def testKill9MidRunThenCleanResume(tmp_path):
                  f'--model_params_override={fast}'))
   assert f'(global step {step})' in err
   assert _Checkpoint(tf.train.latest_checkpoint(train_dir))[_STEP_KEY] == step + 3
+
+
+def testHealthyRunLogsNoErrorsAndNoTensorFlowInfo(tmp_path):
+  """As a user runs it (TF_CPP_MIN_LOG_LEVEL unset): checkpoints are saved, and no line is
+  at error level or TensorFlow's per-checkpoint INFO line."""
+  err = _Ok(_Finish(_Start(f'--logdir={tmp_path}', '--max_steps=4', cpp_log_level=None)))
+  assert 'Saved checkpoint' in err and 'step 4/4' in err
+  noise = [line for line in err.splitlines()
+           if re.match(r'[EF]\d{4} ', line) or 'Sharding callback' in line or 'retracing' in line]
+  assert not noise, err[-3000:]
+
+
+def testHelpExitsZero():
+  code, out, err = _Run('--help', model=None)
+  assert code == 0 and '--model_params_override' in out, err[-3000:]
 
 
 def testInspectParamsAppliesOverrides():

@@ -24,9 +24,9 @@ micro-batch's gradients).
 import json
 import math
 
-from absl import app
 from absl import flags
 import bench_utils
+from lingvo_gpipe import binaries
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float('budget_mb', 256.0, 'Allocator budget of one training step, in MiB.')
@@ -184,4 +184,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  binaries.Run(main)

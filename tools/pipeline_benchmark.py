@@ -17,9 +17,9 @@ time to trace and run the first step; x_plain columns divide by the plain run.
 import json
 import statistics
 
-from absl import app
 from absl import flags
 import bench_utils
+from lingvo_gpipe import binaries
 
 PRESETS = {
     'anchors': dict(model='mlp', layers=16, width=256, hidden=1024, rows=8192),
@@ -115,4 +115,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  binaries.Run(main)

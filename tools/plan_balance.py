@@ -18,9 +18,9 @@ import os
 import sys
 import tempfile
 
-from absl import app
 from absl import flags
 import bench_utils
+from lingvo_gpipe import binaries
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', 'lm.synthetic.GPipeTransformerLmBig',
@@ -112,4 +112,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  binaries.Run(main)

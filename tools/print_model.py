@@ -17,9 +17,9 @@ is the simulator's with stage costs proportional to FLOPs.
 import json
 import sys
 
-from absl import app
 from absl import flags
 import bench_utils
+from lingvo_gpipe import binaries
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', 'lm.synthetic.GPipeTransformerLmBig',
@@ -174,4 +174,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  binaries.Run(main)
