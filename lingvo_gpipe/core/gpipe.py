@@ -28,6 +28,7 @@ each cell, the same idea as tf.recompute_grad with the accumulation in our hands
 """
 
 import contextlib
+import functools
 import time
 
 import numpy as np
@@ -145,7 +146,9 @@ class _CellSteps:
   A schedule step is then one call op: unrolling K=4 cells over M=32 inline
   made 80k ops and minutes of tracing. `_noinline` stops TensorFlow from
   inlining the calls back before it optimizes the graph. The micro-batch index
-  and step are tensor arguments, so one trace serves every micro-batch.
+  and step are tensor arguments, so one trace serves every micro-batch. The
+  first backward of a pass has no weight-gradient sum to add to: it is a
+  function of its own, so neither function is traced twice (None, then sums).
   """
 
   def __init__(self, layer, k, device):
@@ -155,8 +158,11 @@ class _CellSteps:
     self._update_layers = []
     self._clock = None
     options = dict(autograph=False, experimental_attributes={'_noinline': True})
-    self._forward = tf.function(self._Forward, **options)
-    self._backward = tf.function(self._Backward, **options)
+    # Each a partial: TensorFlow counts the traces of functions by their code,
+    # so K cells' methods would count as one function retraced K times.
+    self._forward = tf.function(functools.partial(self._Forward), **options)
+    self._backward = tf.function(functools.partial(self._Backward), **options)
+    self._first_backward = tf.function(functools.partial(self._FirstBackward), **options)
 
   def _Forward(self, theta, args, micro_batch, step, training):
     updates = []
@@ -176,6 +182,9 @@ class _CellSteps:
       recomputed = _Stamp(self.clock, (out, acts)) if measure else None
       d_args, d_theta = _CellGradients(tape, theta, args, (out, acts), grads_in)
       return d_args, _Accumulate(theta_grads, d_theta), recomputed
+
+  def _FirstBackward(self, theta, args, grads_in, micro_batch, step, training, measure):
+    return self._Backward(theta, args, grads_in, None, micro_batch, step, training, measure)
 
   @property
   def clock(self):
@@ -204,6 +213,8 @@ class _CellSteps:
     """(input grads, theta_grads + this micro-batch's theta grads, time the recompute
     ended or None) of the cell; the sum happens inside the call, one op per step."""
     measure = py_utils.CurrentContext().step_stats is not None
+    if theta_grads is None:
+      return self._first_backward(theta, args, grads_in, *self._ContextArgs(), measure)
     return self._backward(theta, args, grads_in, theta_grads, *self._ContextArgs(), measure)
 
 
