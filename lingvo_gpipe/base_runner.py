@@ -11,6 +11,7 @@ static batch size from batch `start_batch` on. A resumed trainer passes its
 global step, so training continues with the batches it has not seen.
 """
 
+import copy
 import dataclasses
 import datetime
 import os
@@ -48,13 +49,18 @@ def LoadModelParams(key, dataset, override='', max_steps=None):
   except (LookupError, ImportError, ValueError) as e:
     raise UserError(str(e)) from None
   text = '\n'.join(_OVERRIDE_SEPARATOR.split(override))
+  has_task_input = isinstance(params.task, hyperparams.Params) and params.task.IsDefined('input')
+  task_input = copy.deepcopy(params.task.input) if has_task_input else None
   try:
     params.FromText(text)
   except (AttributeError, IndexError, TypeError, ValueError) as e:
     raise UserError(f'model_params_override: {e}') from None
   if max_steps is not None:
     params.train.max_steps = max_steps
-  if isinstance(params.task, hyperparams.Params) and params.task.IsDefined('input'):
+  if has_task_input:
+    if params.task.input != task_input:
+      raise UserError('model_params_override: task.input is replaced by the input of the '
+                      'dataset that runs: override input.<name> instead of task.input.<name>.')
     # The model's input is the one that runs: the task checks itself against it.
     params.task.input = params.input.Copy()
   return params

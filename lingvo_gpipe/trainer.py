@@ -25,7 +25,8 @@ loses a worker (it exits, hangs or cannot be reached) stops within about
 --worker_timeout_secs with an error naming the worker; restart the worker and
 the client, and training resumes from the last checkpoint.
 
---mode=inspect_params prints the model params (after overrides) and exits.
+--mode=inspect_params prints the model params (after overrides) and exits;
+--mode=list_models prints the registered models with one-line descriptions.
 Mistakes a user can make are one line on stderr and exit code 1.
 """
 
@@ -48,6 +49,7 @@ from lingvo_gpipe import base_runner
 from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import cluster as cluster_lib
 from lingvo_gpipe import learner as learner_lib
+from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core import planner
@@ -67,8 +69,9 @@ flags.DEFINE_string('logdir', None, 'Checkpoints and summaries go to <logdir>/tr
 flags.DEFINE_enum('run_locally', 'cpu', ['cpu', 'gpu'],
                   'Local devices: cpu hides GPUs and runs the stages on logical CPU devices; '
                   'gpu places the stages on the GPUs.')
-flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params'],
-                  'sync: run the job; inspect_params: print the model params and exit.')
+flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params', 'list_models'],
+                  'sync: run the job; inspect_params: print the model params and exit; '
+                  'list_models: print the registry keys with one-line descriptions and exit.')
 flags.DEFINE_enum('job', 'controller,trainer', list(_LOCAL_JOBS + _CLUSTER_JOBS), 'What to run.')
 flags.DEFINE_integer('task', 0, 'Index of this process within its job of --cluster_spec.')
 flags.DEFINE_string('cluster_spec', '',
@@ -323,8 +326,9 @@ def RunTrainer(model_params, logdir, input_device=None):
   with tf.io.gfile.GFile(os.path.join(train_dir, 'params.txt'), 'w') as f:
     f.write(model_params.ToText())
   writer = tf.summary.create_file_writer(train_dir)
-  logging.info('Training %s from step %d to %d. Checkpoints: %s; TensorBoard: '
-               'tensorboard --logdir=%s', model_params.name, step, t.max_steps, train_dir, logdir)
+  logging.info('Training %s from step %d to train.max_steps=%d (--max_steps=N to change). '
+               'Checkpoints: %s; TensorBoard: tensorboard --logdir=%s', model_params.name, step,
+               t.max_steps, train_dir, logdir)
   settings = base_runner.LoopSettings(
       max_steps=t.max_steps, steps_per_loop=FLAGS.steps_per_loop,
       save_interval_steps=t.save_interval_steps, summary_interval_steps=t.summary_interval_steps,
@@ -420,7 +424,21 @@ def RunClusterClient(model_params, cluster, dataset_name):
   cluster_lib.HealthMonitor(addresses, cluster.timeout_secs).Run(Job)
 
 
+def _ListModels():
+  """Prints every registry key with the first line of its params class's docstring."""
+  try:
+    keys = model_registry.GetAllRegisteredKeys()
+  except (ImportError, ValueError) as e:
+    raise base_runner.UserError(str(e)) from None
+  width = max(map(len, keys), default=0)
+  for key in keys:
+    sys.stdout.write(f'{key:<{width}}  {model_registry.GetDescription(key)}\n')
+
+
 def _Run():
+  if FLAGS.mode == 'list_models':
+    _ListModels()
+    return
   cluster = ClusterConfig.FromFlags()
   if FLAGS.job == 'worker':
     RunWorker(cluster)
@@ -431,6 +449,9 @@ def _Run():
   dataset_name = {'evaler_dev': 'Dev', 'evaler_test': 'Test'}.get(FLAGS.job, 'Train')
   model_params = base_runner.LoadModelParams(FLAGS.model, dataset_name,
                                              FLAGS.model_params_override, FLAGS.max_steps)
+  if not model_registry.GetClass(FLAGS.model).Defines(dataset_name):
+    logging.warning('%s defines no %s(): evaluating its Train() data instead.', FLAGS.model,
+                    dataset_name)
   if FLAGS.balance_file:
     _ApplyBalanceFile(model_params.task, FLAGS.balance_file)
   if FLAGS.mode == 'inspect_params':
