@@ -119,3 +119,20 @@ def testStepSeedDependsOnStepAndMicroBatchOnly():
   assert len({Seed(3, 1), Seed(3, 2), Seed(4, 1), Seed(4, 2)}) == 4
   # Large micro-batch indices stay distinct (no float-carried ids).
   assert Seed(0, 2**24) != Seed(0, 2**24 + 1)
+
+
+def _Scaler(scale, function):
+  @function(autograph=False)
+  def Scaled(x):
+    return x * scale
+  return Scaled
+
+
+@pytest.mark.parametrize('function,warns', [(tf.function, True),
+                                            (py_utils.DistinctFunction, False)])
+def testDistinctFunctionsOfOneClosureAreNotRetracesToTensorFlow(function, warns, caplog):
+  """Eight functions of one closure, each traced once: tf.function's retracing warning
+  counts them as one function (the premise), DistinctFunction's does not."""
+  scalers = [_Scaler(float(i), function) for i in range(8)]
+  assert [float(f(tf.constant(2.0))) for f in scalers] == [2.0 * i for i in range(8)]
+  assert any('retracing' in r.getMessage() for r in caplog.records) == warns

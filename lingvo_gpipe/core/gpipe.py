@@ -28,7 +28,6 @@ each cell, the same idea as tf.recompute_grad with the accumulation in our hands
 """
 
 import contextlib
-import functools
 import time
 
 import numpy as np
@@ -158,11 +157,9 @@ class _CellSteps:
     self._update_layers = []
     self._clock = None
     options = dict(autograph=False, experimental_attributes={'_noinline': True})
-    # Each a partial: TensorFlow counts the traces of functions by their code,
-    # so K cells' methods would count as one function retraced K times.
-    self._forward = tf.function(functools.partial(self._Forward), **options)
-    self._backward = tf.function(functools.partial(self._Backward), **options)
-    self._first_backward = tf.function(functools.partial(self._FirstBackward), **options)
+    self._forward = py_utils.DistinctFunction(self._Forward, **options)
+    self._backward = py_utils.DistinctFunction(self._Backward, **options)
+    self._first_backward = py_utils.DistinctFunction(self._FirstBackward, **options)
 
   def _Forward(self, theta, args, micro_batch, step, training):
     updates = []
@@ -800,7 +797,7 @@ def _TimeCosts(layer_params_list, input_shapes, repeats=3):
   for p in layer_params_list:
     layer = p.Instantiate()
 
-    @tf.function
+    @py_utils.DistinctFunction
     def Step(*a, layer=layer):
       with tf.GradientTape() as tape:
         out = layer.FProp(layer.theta, *a)

@@ -346,11 +346,11 @@ def _ProfileOne(layer, theta, args, repeats):
   floats = [x for x in tf.nest.flatten(args) if x.dtype.is_floating]
   weights = [v for v in tf.nest.flatten(theta) if v.trainable]
 
-  @tf.function(autograph=False)
+  @py_utils.DistinctFunction(autograph=False)
   def Forward():
     return layer.FProp(theta, *args)
 
-  @tf.function(autograph=False)
+  @py_utils.DistinctFunction(autograph=False)
   def ForwardBackward():
     with tf.GradientTape() as tape:
       tape.watch(floats)

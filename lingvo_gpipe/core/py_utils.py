@@ -3,6 +3,7 @@
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import zlib
 
 import tensorflow as tf
@@ -257,3 +258,16 @@ def StepSeed(layer_seed):
   seed = tf.constant([int(layer_seed) & 0x7FFFFFFF, 0], dtype=tf.int64)
   seed = tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.step, tf.int64))
   return tf.random.experimental.stateless_fold_in(seed, tf.cast(ctx.micro_batch, tf.int64))
+
+
+def DistinctFunction(fn=None, **kwargs):
+  """tf.function(fn, **kwargs), also as a decorator, whose traces TensorFlow's retracing
+  warning counts apart.
+
+  TensorFlow counts traces per code object, so one function per layer or cell made from
+  the same method or closure, each traced once, would look like one function traced again
+  and again (a warning that blames the user).
+  """
+  if fn is None:
+    return functools.partial(DistinctFunction, **kwargs)
+  return tf.function(functools.partial(fn), **kwargs)
