@@ -1,7 +1,7 @@
 """What the project's binaries (the trainer, tools/*.py) do at start: readable logs, --help.
 
-A binary calls QuietTensorFlow() before anything imports TensorFlow, and runs
-its main with Run(main):
+A binary calls QuietTensorFlow() before anything imports TensorFlow (a user's
+script may too), and runs its main with Run(main):
 
   from lingvo_gpipe import binaries
   binaries.QuietTensorFlow()
