@@ -166,6 +166,7 @@ def testBlock(block, tmp):
     with open(path, 'w') as f:
       f.write(block.code)
   else:
+    assert block.kind == 'run', f'{block}: no <!-- readme_test: ... --> right before it'
     code, out = _Run(block, tmp)
     assert code == 0, f'{block} exited with {code}:\n{out[-3000:]}'
     noise = [m.group(0) for m in _NOISE.finditer(out)]
