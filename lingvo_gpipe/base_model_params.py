@@ -53,6 +53,12 @@ class SingleTaskModelParams:
     """Input-generator params of the test data; Train()'s by default."""
     return self.Train()
 
+  @classmethod
+  def Defines(cls, dataset):
+    """Whether the experiment defines `dataset`'s method itself: Dev() and Test() fall
+    back to Train() unless it does."""
+    return getattr(cls, dataset) is not getattr(SingleTaskModelParams, dataset)
+
   def Task(self):
     """Params of the task, i.e. the model layer that is trained."""
     raise NotImplementedError(f'{type(self).__name__} must define Task().')

@@ -206,6 +206,12 @@ def GetClass(key):
   return _REGISTRY[key]
 
 
+def GetDescription(key):
+  """The first line of the docstring of the class registered under `key`; '' without one."""
+  lines = (GetClass(key).__doc__ or '').strip().splitlines()  # Classes do not inherit __doc__.
+  return lines[0] if lines else ''
+
+
 def GetParams(key, dataset):
   """Model() params of experiment `key`, with `input` set to `dataset`'s input params.
 

@@ -27,7 +27,8 @@ loses a worker (it exits, hangs or cannot be reached) stops within about
 --worker_timeout_secs with an error naming the worker; restart the worker and
 the client, and training resumes from the last checkpoint.
 
---mode=inspect_params prints the model params (after overrides) and exits.
+--mode=inspect_params prints the model params (after overrides) and exits;
+--mode=list_models prints the registered models with one-line descriptions.
 Mistakes a user can make are one line on stderr and exit code 1.
 """
 
@@ -38,6 +39,11 @@ import signal
 import sys
 import time
 
+from lingvo_gpipe import binaries
+
+binaries.QuietTensorFlow()  # Before TensorFlow is imported.
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import app
 from absl import flags
 from absl import logging
@@ -48,12 +54,14 @@ from lingvo_gpipe import checkpoint_files
 from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import cluster as cluster_lib
 from lingvo_gpipe import learner as learner_lib
+from lingvo_gpipe import model_registry
 from lingvo_gpipe import pipeline_check
 from lingvo_gpipe import preemption
 from lingvo_gpipe import run_lock
 from lingvo_gpipe.core import pipeline_params
 from lingvo_gpipe.core import planner
 from lingvo_gpipe.core import py_utils
+# pylint: enable=g-import-not-at-top,wrong-import-position
 
 _LOCAL_JOBS = ('controller,trainer', 'evaler_dev', 'evaler_test')
 _CLUSTER_JOBS = ('trainer_client', 'worker')
@@ -68,8 +76,9 @@ flags.DEFINE_string('logdir', None, 'Checkpoints and summaries go to <logdir>/tr
 flags.DEFINE_enum('run_locally', 'cpu', ['cpu', 'gpu'],
                   'Local devices: cpu hides GPUs and runs the stages on logical CPU devices; '
                   'gpu places the stages on the GPUs.')
-flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params', 'check_pipeline'],
+flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params', 'list_models', 'check_pipeline'],
                   'sync: run the job; inspect_params: print the model params and exit; '
+                  'list_models: print the registry keys with one-line descriptions and exit; '
                   'check_pipeline: train --check_steps steps pipelined as configured and '
                   'unpipelined from the same weights (the latest checkpoint of --logdir, if '
                   'any) and data, print the largest relative differences, exit 1 above '
@@ -320,8 +329,9 @@ def _Train(model_params, train_dir, logdir, input_device, stop):
   with tf.io.gfile.GFile(os.path.join(train_dir, 'params.txt'), 'w') as f:
     f.write(model_params.ToText())
   writer = tf.summary.create_file_writer(train_dir)
-  logging.info('Training %s from step %d to %d. Checkpoints: %s; TensorBoard: '
-               'tensorboard --logdir=%s', model_params.name, step, t.max_steps, train_dir, logdir)
+  logging.info('Training %s from step %d to train.max_steps=%d (--max_steps=N to change). '
+               'Checkpoints: %s; TensorBoard: tensorboard --logdir=%s', model_params.name, step,
+               t.max_steps, train_dir, logdir)
   settings = base_runner.LoopSettings(
       max_steps=t.max_steps, steps_per_loop=FLAGS.steps_per_loop,
       save_interval_steps=t.save_interval_steps, summary_interval_steps=t.summary_interval_steps,
@@ -474,7 +484,21 @@ def _CheckPipeline(model_params, cluster):
                                 f'than unpipelined (tolerance {FLAGS.check_tolerance:g}).')
 
 
+def _ListModels():
+  """Prints every registry key with the first line of its params class's docstring."""
+  try:
+    keys = model_registry.GetAllRegisteredKeys()
+  except (ImportError, ValueError) as e:
+    raise base_runner.UserError(str(e)) from None
+  width = max(map(len, keys), default=0)
+  for key in keys:
+    sys.stdout.write(f'{key:<{width}}  {model_registry.GetDescription(key)}\n')
+
+
 def _Run():
+  if FLAGS.mode == 'list_models':
+    _ListModels()
+    return
   cluster = ClusterConfig.FromFlags()
   if FLAGS.job == 'worker':
     RunWorker(cluster)
@@ -487,6 +511,9 @@ def _Run():
   dataset_name = {'evaler_dev': 'Dev', 'evaler_test': 'Test'}.get(FLAGS.job, 'Train')
   model_params = base_runner.LoadModelParams(FLAGS.model, dataset_name,
                                              FLAGS.model_params_override, FLAGS.max_steps)
+  if not model_registry.GetClass(FLAGS.model).Defines(dataset_name):
+    logging.warning('%s defines no %s(): evaluating its Train() data instead.', FLAGS.model,
+                    dataset_name)
   if FLAGS.balance_file:
     _ApplyBalanceFile(model_params.task, FLAGS.balance_file)
   if FLAGS.mode == 'inspect_params':
@@ -531,7 +558,7 @@ def main(argv):
 
 def Main():
   """Console-script entry point."""
-  app.run(main)
+  binaries.Run(main)
 
 
 if __name__ == '__main__':

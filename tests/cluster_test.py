@@ -248,16 +248,20 @@ def testWorkerOnAPortInUseIsAOneLineError():
       f'trainer: error: Cannot start worker task 0 at localhost:{port}: port {port} is in use.']
 
 
-def testLocalClusterToolPrintsTheSpecAndStopsItsWorkersOnSigterm():
+def testLocalClusterToolPrintsTheSpecAndStopsItsWorkersOnSigterm(tmp_path):
+  spec_file = tmp_path / 'spec.txt'
   tool = subprocess.Popen([sys.executable, os.path.join(_ROOT, 'tools', 'local_cluster.py'),
-                           '--num_workers=1'], env=_Env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+                           '--num_workers=1', f'--spec_file={spec_file}'], env=_Env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:
-    spec = cluster_lib.ParseClusterSpec(tool.stdout.readline().strip())
+    spec_text = tool.stdout.readline().strip()
+    spec = cluster_lib.ParseClusterSpec(spec_text)
     assert not cluster_lib.UnansweredWorkers(spec['worker'], 5.0)
+    assert spec_file.read_text() == spec_text + '\n'  # Written before the spec is printed.
     tool.send_signal(signal.SIGTERM)
     assert _Finish(tool, timeout=60)[0] == 128 + signal.SIGTERM
     assert 'cannot be reached' in cluster_lib.UnansweredWorkers(spec['worker'], 5.0)[0]
+    assert not spec_file.exists()
   finally:
     tool.kill()
 

@@ -131,6 +131,21 @@ def testFPropUnderTapeIsExact(k, m, remat):
   assert _RelErr(grads[-1], tape.gradient(ref_x_loss, x)) <= 1e-5
 
 
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testEagerStepsTraceEachCellFunctionOnce(sched, caplog):
+  """Every later micro-batch and step reuses the cells' traced functions: a retrace costs
+  time, and TensorFlow warns about it (eagerly) as if the user had made a mistake. With
+  more than 4 cells it also warns if it counts the cells' functions as one."""
+  pipe = _Pipe(8, 4, sched=sched, allow_device_reuse=True)
+  for seed in (1, 2):
+    pipe.ForwardBackward(pipe.theta, _Input(seed), _Loss)
+  assert not [r for r in caplog.records if 'retracing' in r.getMessage()]
+  functions = [f for cell in pipe.cell_steps[0] for f in vars(cell).values()
+               if isinstance(f, tf.types.experimental.PolymorphicFunction)]
+  counts = [f.experimental_get_tracing_count() for f in functions]
+  assert counts and set(counts) == {1}, counts
+
+
 @pytest.mark.parametrize('k,m,sched', [(4, 8, 'gpipe'), (2, 4, '1f1b'), (4, 2, '1f1b')])
 def testInsideTfFunction(k, m, sched):
   pipe = _Pipe(k, m, 'except_last', sched)

@@ -151,6 +151,18 @@ def testFromTextUnknownKey():
     _Nested().FromText('stepss : 3')
 
 
+@pytest.mark.parametrize('key,hint', [
+    ('task.inner.width', ' Did you mean inner.width?'),  # A Lingvo-style path.
+    ('width', ' Did you mean inner.width?'),
+    ('inner.steps', ' Did you mean steps?'),
+    ('inner.depth', ''),  # Defined nowhere under any parent: no hint.
+])
+def testFromTextUnknownKeyNamesTheSameNameUnderAnotherParent(key, hint):
+  with pytest.raises(AttributeError) as e:
+    _Nested().FromText(f'{key} : 3')
+  assert str(e.value).endswith(f'].{hint}'), str(e.value)
+
+
 def testStrIsReadable():
   assert 'inner.width : 8' in str(_Nested())
 

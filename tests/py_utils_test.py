@@ -152,3 +152,20 @@ def testBatchUniformDependsOnSeedAndStep():
   # Large steps stay distinct (integers, never float-carried).
   assert not np.array_equal(py_utils.BatchUniform(7, 2**24, x),
                             py_utils.BatchUniform(7, 2**24 + 1, x))
+
+
+def _Scaler(scale, function):
+  @function(autograph=False)
+  def Scaled(x):
+    return x * scale
+  return Scaled
+
+
+@pytest.mark.parametrize('function,warns', [(tf.function, True),
+                                            (py_utils.DistinctFunction, False)])
+def testDistinctFunctionsOfOneClosureAreNotRetracesToTensorFlow(function, warns, caplog):
+  """Eight functions of one closure, each traced once: tf.function's retracing warning
+  counts them as one function (the premise), DistinctFunction's does not."""
+  scalers = [_Scaler(float(i), function) for i in range(8)]
+  assert [float(f(tf.constant(2.0))) for f in scalers] == [2.0 * i for i in range(8)]
+  assert any('retracing' in r.getMessage() for r in caplog.records) == warns

@@ -38,9 +38,14 @@ _STEP_KEY = 'global_step/.ATTRIBUTES/VARIABLE_VALUE'
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _Start(*flags, model=_MODEL):
-  """Starts the trainer binary with `flags`; returns the Popen."""
-  env = dict(os.environ, LINGVO_GPIPE_PARAMS=_PARAMS_DIR, TF_CPP_MIN_LOG_LEVEL='2')
+def _Start(*flags, model=_MODEL, cpp_log_level='2'):
+  """Starts the trainer binary with `flags`; returns the Popen.
+
+  cpp_log_level: TF_CPP_MIN_LOG_LEVEL, or None to leave it to the binary.
+  """
+  env = dict(os.environ, LINGVO_GPIPE_PARAMS=_PARAMS_DIR, TF_CPP_MIN_LOG_LEVEL=cpp_log_level)
+  if cpp_log_level is None:
+    del env['TF_CPP_MIN_LOG_LEVEL']
   args = [sys.executable, '-m', 'lingvo_gpipe.trainer'] + ([f'--model={model}'] if model else [])
   return subprocess.Popen(args + list(flags), env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
@@ -190,6 +195,22 @@ def testKill9MidRunThenCleanResume(tmp_path):
   assert _Checkpoint(tf.train.latest_checkpoint(train_dir))[_STEP_KEY] == step + 3
 
 
+def testHealthyRunLogsNoErrorsAndNoTensorFlowInfo(tmp_path):
+  """As a user runs it (TF_CPP_MIN_LOG_LEVEL unset): checkpoints are saved, and no line is
+  at error level or TensorFlow's per-checkpoint INFO line."""
+  err = _Ok(_Finish(_Start(f'--logdir={tmp_path}', '--max_steps=4', cpp_log_level=None)))
+  assert 'Saved checkpoint' in err and 'step 4/4' in err
+  assert 'from step 0 to train.max_steps=4 (--max_steps=N to change)' in err
+  noise = [line for line in err.splitlines()
+           if re.match(r'[EF]\d{4} ', line) or 'Sharding callback' in line or 'retracing' in line]
+  assert not noise, err[-3000:]
+
+
+def testHelpExitsZero():
+  code, out, err = _Run('--help', model=None)
+  assert code == 0 and '--model_params_override' in out, err[-3000:]
+
+
 def testInspectParamsAppliesOverrides():
   override = ('task.hidden_dim : 7\ntask.train.learning_rate : 0.5; '
               'train.max_steps : 3; task.name : "a;b"')
@@ -230,6 +251,13 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
        'registered keys: toy.regression.PipelinedRegression'),
       ([model, logdir, '--model_params_override=task.hiden_dim : 3'],
        "Unknown params key 'hiden_dim'. Did you mean: hidden_dim"),
+      ([model, logdir, '--model_params_override=task.train.max_steps : 3'],
+       "Unknown params key 'max_steps'. Defined: ['clip_gradient_norm_to_value', "
+       "'learning_rate', 'lr_schedule', 'optimizer']. Did you mean train.max_steps?"),
+      (['--model=lm.synthetic.GPipeTransformerLmTiny', logdir,
+        '--model_params_override=task.input.batch_size : 5'],
+       'task.input is replaced by the input of the dataset that runs: override input.<name> '
+       'instead of task.input.<name>.'),
       ([model, logdir, '--model_params_override=task.hidden_dim : abc'],
        "Params key 'task.hidden_dim': cannot parse 'abc' as int"),
       ([model, logdir, '--model_params_override=task.hidden_dim : 0'],
@@ -269,6 +297,44 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
     code, err = _MainInProcess(capsys, *argv)
     lines = _ErrorLines(err)
     assert code == 1 and len(lines) == 1 and message in lines[0], (argv, err)
+
+
+def testListModelsPrintsKeysWithTheirDocstringsFirstLine():
+  code, out, err = _Run('--mode=list_models', model=None)
+  assert code == 0, err[-3000:]
+  rows = [line.split(None, 1) for line in out.splitlines()]
+  described = dict(rows)
+  assert [key for key, _ in rows] == sorted(described) and len(rows) > 5
+  assert described[_MODEL] == 'Six steps, a checkpoint every two, summaries and logs every step.'
+  assert described['lm.text.GPipeByteLm'].startswith('A 4-layer, 2-stage byte LM of any UTF-8')
+
+
+_TRAIN_AND_DEV = """
+from lingvo_gpipe import base_model_params
+from lingvo_gpipe import model_registry
+from lingvo_gpipe.params.lm import synthetic
+
+
+@model_registry.RegisterSingleTaskModel
+class TrainAndDev(base_model_params.SingleTaskModelParams):
+  Train = synthetic.GPipeTransformerLmTiny.Train
+  Dev = synthetic.GPipeTransformerLmTiny.Dev
+  Task = synthetic.GPipeTransformerLmTiny.Task
+"""
+
+
+def testEvalerSaysWhenItsDatasetFallsBackToTrain(tmp_path, capsys, monkeypatch, caplog):
+  (tmp_path / 'toy').mkdir()
+  (tmp_path / 'toy' / 'train_and_dev.py').write_text(_TRAIN_AND_DEV)
+  monkeypatch.setenv('LINGVO_GPIPE_PARAMS', str(tmp_path))
+  for job, falls_back in (('evaler_dev', False), ('evaler_test', True)):
+    caplog.clear()
+    code, err = _MainInProcess(capsys, '--model=toy.train_and_dev.TrainAndDev', f'--job={job}',
+                               '--mode=inspect_params')
+    assert code == 0, err
+    notes = [r.getMessage() for r in caplog.records if 'Train() data' in r.getMessage()]
+    assert notes == (['toy.train_and_dev.TrainAndDev defines no Test(): evaluating its Train() '
+                      'data instead.'] if falls_back else []), job
 
 
 def testEvalOnceWithoutCheckpointWritesNothing(tmp_path, capsys, monkeypatch):

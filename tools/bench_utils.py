@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from lingvo_gpipe import binaries
+
 
 def Progress(i, n, text):
   """One progress line on stderr."""
@@ -35,9 +37,8 @@ def Load():
 
 def RunIsolated(script, config, timeout=None):
   """Runs `script --single=<config JSON>` in a fresh process; returns its JSON result line."""
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get('TF_CPP_MIN_LOG_LEVEL', '2'))
   proc = subprocess.run([sys.executable, script, f'--single={json.dumps(config)}'],
-                        capture_output=True, text=True, check=False, env=env, timeout=timeout)
+                        capture_output=True, text=True, check=False, timeout=timeout)
   if proc.returncode:
     raise RuntimeError(f'Configuration {config} failed:\n{proc.stderr[-3000:]}')
   return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -45,7 +46,7 @@ def RunIsolated(script, config, timeout=None):
 
 def SetUpDevices(num_devices, intra_op_threads=0, inter_op_threads=0):
   """num_devices logical CPU devices and thread pools (0: TensorFlow's default); returns tf."""
-  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  binaries.QuietTensorFlow()
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
   memory_stats.EnableStats()

@@ -10,8 +10,8 @@ largest depth under the budget follows from the straight line through them
 (memory grows linearly with depth), and that depth is run to check it fits.
 
   python tools/capacity_benchmark.py                     # 256 MiB: a few minutes
-  # The 2 GiB (about 10 minutes; wider layers keep the depth, and the
-  # tracing time that grows with it, down):
+  # The README's Table 1: 2 GiB, about 45 minutes on its 2-core machine (wider
+  # layers keep the depth, and the tracing time that grows with it, down):
   python tools/capacity_benchmark.py --budget_mb=2048 --widths=512 --rows=128 \
       --micro_batches=64
 
@@ -24,9 +24,9 @@ micro-batch's gradients).
 import json
 import math
 
-from absl import app
 from absl import flags
 import bench_utils
+from lingvo_gpipe import binaries
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float('budget_mb', 256.0, 'Allocator budget of one training step, in MiB.')
@@ -184,4 +184,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  binaries.Run(main)

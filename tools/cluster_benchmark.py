@@ -33,9 +33,9 @@ import os
 import statistics
 import time
 
-from absl import app
 from absl import flags
 import bench_utils
+from lingvo_gpipe import binaries
 import local_cluster
 
 FLAGS = flags.FLAGS
@@ -235,4 +235,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  binaries.Run(main)

@@ -5,6 +5,9 @@ r"""Starts N TensorFlow worker processes on free loopback ports and prints the c
   python -m lingvo_gpipe.trainer --job=trainer_client --cluster_spec=worker=localhost:41231,\
       localhost:39555 --model=lm.synthetic.GPipeTransformerLmTiny --logdir=/tmp/lm
 
+A script runs it in the background with --spec_file=/tmp/spec.txt and waits for
+that file, which appears once every worker answers (README: a 2-process run).
+
 Each worker is `python -m lingvo_gpipe.trainer --job=worker` in its own process
 group, optionally pinned to a core (--cpus, with taskset) and given a number of
 threads. Ctrl-C, SIGTERM, SIGHUP or a worker that exits stops them all. Tests
@@ -20,9 +23,13 @@ import sys
 import tempfile
 import time
 
-from absl import app
 from absl import flags
 
+from lingvo_gpipe import binaries
+
+binaries.QuietTensorFlow()  # Before lingvo_gpipe.cluster imports TensorFlow.
+
+# pylint: disable-next=g-import-not-at-top,wrong-import-position
 from lingvo_gpipe import cluster as cluster_lib
 
 _HOST = 'localhost'
@@ -106,10 +113,9 @@ class LocalCluster:
                f'--worker_inter_op_threads={self._threads[1]}']
     if self._cpus is not None:
       command = ['taskset', '-c', str(self._cpus[task])] + command
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get('TF_CPP_MIN_LOG_LEVEL', '2'))
     with open(self.LogPath(task), 'a') as log:
       self._procs[task] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                           env=env, start_new_session=True)
+                                           start_new_session=True)
 
   def WaitUntilReady(self):
     """Returns once every worker answers; raises RuntimeError if one exits or the time is up."""
@@ -164,11 +170,23 @@ flags.DEFINE_integer('num_workers', 2, 'Worker processes.')
 flags.DEFINE_list('cpus', None, 'Optional core per worker, e.g. 0,1 (taskset -c).')
 flags.DEFINE_integer('intra_op_threads', 0, "Each worker's intra-op threads (0: default).")
 flags.DEFINE_integer('inter_op_threads', 0, "Each worker's inter-op threads (0: default).")
-flags.DEFINE_string('worker_log_dir', None, 'Where worker<i>.log go; default a temporary directory.')
+flags.DEFINE_string('worker_log_dir', None,
+                    'Where worker<i>.log go; default a temporary directory.')
+flags.DEFINE_string('spec_file', None,
+                    'Also write the spec to this file once every worker answers (whole, by a '
+                    'rename), and remove it when the workers stop: a script waits for the file.')
 
 
 def _Stop(signum, unused_frame):
   raise SystemExit(128 + signum)
+
+
+def _WriteWhole(path, text):
+  """Writes `path` so that a reader sees either no file or all of `text`."""
+  partial = f'{path}.partial'
+  with open(partial, 'w') as f:
+    f.write(text)
+  os.replace(partial, path)
 
 
 def main(argv):
@@ -178,13 +196,19 @@ def main(argv):
   cpus = [int(c) for c in FLAGS.cpus] if FLAGS.cpus else None
   with LocalCluster(FLAGS.num_workers, cpus, FLAGS.intra_op_threads, FLAGS.inter_op_threads,
                     FLAGS.worker_log_dir) as cluster:
+    if FLAGS.spec_file:
+      _WriteWhole(FLAGS.spec_file, cluster.spec_text + '\n')
     print(cluster.spec_text, flush=True)
     print(f'Worker logs: {cluster.LogPath(0)} ...; Ctrl-C stops the workers.', file=sys.stderr,
           flush=True)
-    while not cluster.Exited():
-      time.sleep(0.5)
-    sys.exit(f'Worker(s) exited: {cluster.Exited()}; stopping the others.')
+    try:
+      while not cluster.Exited():
+        time.sleep(0.5)
+      sys.exit(f'Worker(s) exited: {cluster.Exited()}; stopping the others.')
+    finally:
+      if FLAGS.spec_file:
+        os.remove(FLAGS.spec_file)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  binaries.Run(main)

@@ -18,9 +18,9 @@ scale.
 
 import json
 
-from absl import app
 from absl import flags
 import bench_utils
+from lingvo_gpipe import binaries
 import numpy as np
 
 FLAGS = flags.FLAGS
@@ -109,4 +109,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  binaries.Run(main)

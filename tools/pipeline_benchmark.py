@@ -4,22 +4,23 @@ Each configuration runs in its own process so that each allocator peak is its
 own. The driver prints one progress line per configuration, then a markdown
 table and the JSON of all results.
 
-  # The issue's residual MLP: 16 layers, width 256, hidden 1024, 8192 rows.
+  # The README's table: a residual MLP of 16 layers, width 256, hidden 1024, 8192 rows.
   python tools/pipeline_benchmark.py --preset=anchors
   # A quick look (a few minutes):
   python tools/pipeline_benchmark.py --stages=1,4 --micro_batches=1,8,32 --remat=always
 
 Columns: peak_mb is the allocator peak (tf.config.experimental.get_memory_info)
 above the live set before the step, step_s the median step time, trace_s the
-time to trace and run the first step; x_plain columns divide by the plain run.
+time to trace and run the first step; x_plain columns divide by the plain run
+(the plain model has stages 0 in the JSON).
 """
 
 import json
 import statistics
 
-from absl import app
 from absl import flags
 import bench_utils
+from lingvo_gpipe import binaries
 
 PRESETS = {
     'anchors': dict(model='mlp', layers=16, width=256, hidden=1024, rows=8192),
@@ -81,6 +82,14 @@ def _RunOne(config):
               params=step.params)
 
 
+def _Name(result):
+  """'plain model' (stages 0 in the JSON), else K, M, remat and schedule."""
+  if result['stages'] == 0:
+    return 'plain model'
+  return (f"K={result['stages']} M={result['micro_batches']} remat={result['remat']} "
+          f"schedule={result['schedule']}")
+
+
 def _Table(results):
   plain = results[0]
 
@@ -107,12 +116,11 @@ def main(argv):
   for i, config in enumerate(grid, 1):
     result = bench_utils.RunIsolated(__file__, config)
     results.append(result)
-    bench_utils.Progress(i, len(grid), f"K={result['stages']} M={result['micro_batches']} "
-                         f"remat={result['remat']} schedule={result['schedule']}: "
-                         f"peak {result['peak_mb']:.1f} MB, step {result['step_s']:.3f} s")
+    bench_utils.Progress(i, len(grid), f"{_Name(result)}: peak {result['peak_mb']:.1f} MB, "
+                         f"step {result['step_s']:.3f} s")
   bench_utils.Emit(_Table(results), results, FLAGS.json_out,
                    [f'Load average (1, 5, 15 min): {bench_utils.Load()}'])
 
 
 if __name__ == '__main__':
-  app.run(main)
+  binaries.Run(main)

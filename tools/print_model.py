@@ -17,9 +17,9 @@ is the simulator's with stage costs proportional to FLOPs.
 import json
 import sys
 
-from absl import app
 from absl import flags
 import bench_utils
+from lingvo_gpipe import binaries
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', 'lm.synthetic.GPipeTransformerLmBig',
@@ -35,7 +35,8 @@ flags.DEFINE_integer('width', 256, 'Built-in stacks: width.')
 flags.DEFINE_integer('hidden', 1024, 'Built-in stacks: feed-forward hidden width.')
 flags.DEFINE_integer('rows', 64, 'Built-in stacks: batch rows (sequences for the Transformer).')
 flags.DEFINE_integer('seq_len', 64, 'Built-in Transformer: sequence length.')
-flags.DEFINE_string('json_out', None, 'Also write the stages JSON to this file.')
+flags.DEFINE_boolean('json', False, 'Also print the layers and stages as JSON, after the tables.')
+flags.DEFINE_string('json_out', None, 'Also write that JSON to this file.')
 
 
 def _BuiltIn(tf):
@@ -156,11 +157,12 @@ def main(argv):
     stage_rows = _StageRows(plan, layer_rows)
     _Print(pipe.name, plan, layer_rows, stage_rows)
     summary.append(dict(pipeline=pipe.name, layers=layer_rows, stages=stage_rows))
-  print(json.dumps(summary, indent=1))
+  if FLAGS.json:
+    print(json.dumps(summary, indent=1))
   if FLAGS.json_out:
     with open(FLAGS.json_out, 'w') as f:
       json.dump(summary, f, indent=1)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  binaries.Run(main)

@@ -14,9 +14,9 @@ device, and the seconds the simulation took (numpy; K=1024, M=8192 in seconds).
 
 import time
 
-from absl import app
 from absl import flags
 import bench_utils
+from lingvo_gpipe import binaries
 from lingvo_gpipe.core import schedule as schedule_lib
 from lingvo_gpipe.core import simulator
 
@@ -84,4 +84,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  binaries.Run(main)

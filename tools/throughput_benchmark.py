@@ -24,9 +24,9 @@ The 2-process cluster points come from tools/cluster_benchmark.py (another tool)
 import json
 import os
 
-from absl import app
 from absl import flags
 import bench_utils
+from lingvo_gpipe import binaries
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', 'transformer', "'mlp', 'transformer' or a registry key (e.g. "
@@ -126,4 +126,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  binaries.Run(main)

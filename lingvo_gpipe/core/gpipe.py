@@ -156,6 +156,8 @@ class _CellSteps:
   sits in the batch and the step are tensor arguments, so one trace serves
   every micro-batch; batch-norm statistics come back keyed by layer path, so
   no trace leaves state behind that another trace's calls would rely on.
+  The first backward of a pass has no weight-gradient sum to add to: it is a
+  function of its own, so neither function is traced twice (None, then sums).
   """
 
   def __init__(self, layer, k, device):
@@ -164,8 +166,9 @@ class _CellSteps:
     self._device = device
     self._clock = None
     options = dict(autograph=False, experimental_attributes={'_noinline': True})
-    self._forward = tf.function(self._Forward, **options)
-    self._backward = tf.function(self._Backward, **options)
+    self._forward = py_utils.DistinctFunction(self._Forward, **options)
+    self._backward = py_utils.DistinctFunction(self._Backward, **options)
+    self._first_backward = py_utils.DistinctFunction(self._FirstBackward, **options)
 
   def _Context(self, where, training, updates):
     offset, size, step = where
@@ -190,6 +193,9 @@ class _CellSteps:
       recomputed = _Stamp(self.clock, (out, acts)) if measure else None
       d_args, d_theta = _CellGradients(tape, theta, args, (out, acts), grads_in)
       return d_args, _Accumulate(theta_grads, d_theta), recomputed
+
+  def _FirstBackward(self, theta, args, grads_in, where, training, measure):
+    return self._Backward(theta, args, grads_in, None, where, training, measure)
 
   @property
   def clock(self):
@@ -220,8 +226,10 @@ class _CellSteps:
     """(input grads, theta_grads + this micro-batch's theta grads, time the recompute
     ended or None) of the cell; the sum happens inside the call, one op per step."""
     measure = py_utils.CurrentContext().step_stats is not None
-    return self._backward(theta, args, grads_in, theta_grads,
-                          tuple(map(self._Variable, where)), training, measure)
+    where = tuple(map(self._Variable, where))
+    if theta_grads is None:
+      return self._first_backward(theta, args, grads_in, where, training, measure)
+    return self._backward(theta, args, grads_in, theta_grads, where, training, measure)
 
 
 class _Run:

@@ -206,9 +206,16 @@ class Params:
       try:
         current = self.Get(key)
       except (AttributeError, IndexError, TypeError) as e:
-        raise AttributeError(f'Params text line {lineno}: {e}') from None
+        raise AttributeError(f'Params text line {lineno}: {e}{self._ElsewhereHint(key)}') from None
       self.Set(**{key: ParseValue(value_text, current, key)})
     return self
+
+  def _ElsewhereHint(self, key):
+    """' Did you mean ...?' naming defined keys that end with `key` or that `key` ends with:
+    the same name under another parent, as Lingvo's task.train.max_steps for train.max_steps."""
+    keys = [k for k, _ in _TextItems(self, '')]
+    similar = [k for k in keys if k.endswith(f'.{key}') or key.endswith(f'.{k}')]
+    return f' Did you mean {" or ".join(similar)}?' if similar else ''
 
   def __str__(self):
     return self.ToText()

@@ -66,11 +66,11 @@ def _ProfileOne(layer, theta, args, repeats, memory):
   floats = [x for x in tf.nest.flatten(args) if x.dtype.is_floating]
   weights = [v for v in tf.nest.flatten(theta) if v.trainable]
 
-  @tf.function(autograph=False)
+  @py_utils.DistinctFunction(autograph=False)
   def Forward():
     return layer.FProp(theta, *args)
 
-  @tf.function(autograph=False)
+  @py_utils.DistinctFunction(autograph=False)
   def ForwardBackward():
     with tf.GradientTape() as tape:
       tape.watch(floats)

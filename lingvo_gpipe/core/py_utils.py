@@ -3,6 +3,7 @@
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import zlib
 
 import tensorflow as tf
@@ -298,3 +299,16 @@ def BatchUniform(layer_seed, step, like):
       dtype=tf.float32)
   noise = tf.reshape(flat[skip:], shape)
   return tf.transpose(noise, tf.argsort(perm)) if where.batch_dim else noise
+
+
+def DistinctFunction(fn=None, **kwargs):
+  """tf.function(fn, **kwargs), also as a decorator, whose traces TensorFlow's retracing
+  warning counts apart.
+
+  TensorFlow counts traces per code object, so one function per layer or cell made from
+  the same method or closure, each traced once, would look like one function traced again
+  and again (a warning that blames the user).
+  """
+  if fn is None:
+    return functools.partial(DistinctFunction, **kwargs)
+  return tf.function(functools.partial(fn), **kwargs)

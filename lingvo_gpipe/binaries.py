@@ -1,0 +1,66 @@
+"""What the project's binaries (the trainer, tools/*.py) do at start: readable logs, --help.
+
+A binary calls QuietTensorFlow() before anything imports TensorFlow (a user's
+script may too), and runs its main with Run(main):
+
+  from lingvo_gpipe import binaries
+  binaries.QuietTensorFlow()
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  ...
+  if __name__ == '__main__':
+    binaries.Run(main)
+
+This module imports no TensorFlow itself.
+"""
+
+import functools
+import importlib.util
+import logging
+import os
+
+from absl import app
+from absl import flags
+
+
+@functools.cache
+def _TensorFlowDir():
+  """TensorFlow's package directory, found without importing it."""
+  return os.path.dirname(importlib.util.find_spec('tensorflow').origin) + os.sep
+
+
+def _NotTensorFlowInfo(record):
+  """A logging filter: False for INFO (and finer) records logged from TensorFlow's files."""
+  return record.levelno > logging.INFO or not record.pathname.startswith(_TensorFlowDir())
+
+
+def QuietTensorFlow():
+  """Keeps TensorFlow's messages that a user cannot act on out of the binary's log.
+
+  TensorFlow's C++ log level becomes 3 unless TF_CPP_MIN_LOG_LEVEL is set: on
+  a machine without a GPU its CUDA start-up logs an error line
+  (`failed call to cuInit`) on every healthy run. Failures still reach the user
+  as Python exceptions; TF_CPP_MIN_LOG_LEVEL=0 shows all of TensorFlow's lines.
+  The INFO lines TensorFlow's Python code logs (through absl or its own logger:
+  one per checkpoint save, the cluster client's session config) are dropped;
+  its warnings stay. The lines TensorFlow prints while its libraries load,
+  before its logging starts, are beyond reach here.
+  """
+  os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')  # No INFO, WARNING or ERROR lines.
+  for name in ('absl', 'tensorflow'):
+    logging.getLogger(name).addFilter(_NotTensorFlowInfo)  # Idempotent: the same filter.
+
+
+def _ParseFlags(argv):
+  """absl's parsing, but --help and --helpfull exit 0: the help is what was asked for."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except SystemExit as e:
+    # A bad flag exits while handling its flags.Error; a help flag exits on its own.
+    if e.code == 1 and not isinstance(e.__context__, flags.Error):
+      raise SystemExit(0) from None
+    raise
+
+
+def Run(main):
+  """absl.app.run(main) with the help flags exiting 0."""
+  app.run(main, flags_parser=_ParseFlags)
