@@ -241,6 +241,8 @@ def _MainInProcess(capsys, *argv):
 
 def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
   monkeypatch.setenv('LINGVO_GPIPE_PARAMS', _PARAMS_DIR)
+  tf.config.list_logical_devices()  # Start TensorFlow with conftest's devices: in process, a
+  # case that configures fewer first would leave every later case (and test) with those.
   not_a_dir = tmp_path / 'file'
   not_a_dir.write_text('')
   logdir = f'--logdir={tmp_path}/log'
@@ -256,8 +258,20 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
        "'learning_rate', 'lr_schedule', 'optimizer']. Did you mean train.max_steps?"),
       (['--model=lm.synthetic.GPipeTransformerLmTiny', logdir,
         '--model_params_override=task.input.batch_size : 5'],
-       'task.input is replaced by the input of the dataset that runs: override input.<name> '
-       'instead of task.input.<name>.'),
+       "model_params_override sets task.input.batch_size, but the input that runs is the "
+       "model's input (the task gets a copy): set input.batch_size instead."),
+      (['--model=lm.synthetic.GPipeTransformerLmTiny', logdir,
+        "--model_params_override=task.stack.devices : ['/device:CPU:0', '/device:GPU:3']"],
+       "Cannot build the task: Device '/device:GPU:3' does not exist here"),
+      (['--model=lm.synthetic.GPipeTransformerLmTiny', logdir,
+        '--model_params_override=task.stack.num_micro_batches : 3'],
+       'input.batch_size=32 is not divisible by task.stack.num_micro_batches=3: every '
+       'micro-batch must hold the same number of examples.'),
+      ([model, logdir, '--model_params_override=input.num_batches : abc'],
+       "cannot parse 'abc' as NoneType (bare word 'abc': quote a string"),
+      ([model, logdir, '--model_params_override=task.train.learning_rate : -0.1'],
+       'Cannot build the task: regression.train.learning_rate=-0.1: expected a finite number '
+       '>= 0.'),
       ([model, logdir, '--model_params_override=task.hidden_dim : abc'],
        "Params key 'task.hidden_dim': cannot parse 'abc' as int"),
       ([model, logdir, '--model_params_override=task.hidden_dim : 0'],
@@ -297,6 +311,7 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
     code, err = _MainInProcess(capsys, *argv)
     lines = _ErrorLines(err)
     assert code == 1 and len(lines) == 1 and message in lines[0], (argv, err)
+  assert not glob.glob(f'{tmp_path}/log/train/ckpt-*')  # Nothing trained or saved.
 
 
 def testListModelsPrintsKeysWithTheirDocstringsFirstLine():
