@@ -191,8 +191,11 @@ def testKill9MidRunThenCleanResume(tmp_path):
   assert step >= 5 and latest.endswith(f'ckpt-{step}')
   err = _Ok(_Run(f'--logdir={logdir}', f'--max_steps={step + 3}',
                  f'--model_params_override={fast}'))
-  assert f'(global step {step})' in err
-  assert _Checkpoint(tf.train.latest_checkpoint(train_dir))[_STEP_KEY] == step + 3
+  # The state file can lag the directory by the save the kill interrupted: the trainer
+  # restores the newest intact checkpoint on disk, which is never older than the state file's.
+  restored = int(re.search(r'Restored \S+ \(global step (\d+)\)', err).group(1))
+  assert restored >= step
+  assert _Checkpoint(tf.train.latest_checkpoint(train_dir))[_STEP_KEY] == max(restored, step + 3)
 
 
 def testHealthyRunLogsNoErrorsAndNoTensorFlowInfo(tmp_path):
@@ -597,7 +600,7 @@ def testTrainerAndEstimatorShareOneCheckpointLayout(tmp_path):
   assert est.evaluate(estimator.RegistryInputFn(_MODEL, 'Dev'))['global_step'] == 2
   est.train(estimator.RegistryInputFn(_MODEL, 'Train'), max_steps=4)
   err = _Ok(_Run(f'--logdir={logdir}', '--max_steps=6'))
-  assert 'from step 4 to 6' in err
+  assert 'from step 4 to train.max_steps=6' in err
   # The same 6 steps in one trainer run give the same weights.
   _Ok(_Run(f'--logdir={tmp_path / "whole"}', '--max_steps=6'))
   want = _Checkpoint(str(tmp_path / 'whole' / 'train' / 'ckpt-6'))
