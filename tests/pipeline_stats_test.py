@@ -28,13 +28,13 @@ def _Record(stage, kind, m, start, end, recompute_end=None, replica=0):
 
 
 def _HandRecords():
-  """K=2, M=2 fill-drain, F=1, B=2 and a hand-over of 0.5 (simulator_test's timeline);
+  """K=2, M=2 fill-drain, F=1, BW=2 and a hand-over of 0.5 (simulator_test's timeline);
   stage 0 re-materializes (its backward recomputes for 1), stage 1 does not."""
   return [
       _Record(0, 'F', 0, 0, 1), _Record(0, 'F', 1, 1, 2),
       _Record(1, 'F', 0, 1.5, 2.5), _Record(1, 'F', 1, 2.5, 3.5),
-      _Record(1, 'B', 1, 3.5, 5.5), _Record(1, 'B', 0, 5.5, 7.5),
-      _Record(0, 'B', 1, 6, 8, recompute_end=7), _Record(0, 'B', 0, 8, 10, recompute_end=9),
+      _Record(1, 'BW', 1, 3.5, 5.5), _Record(1, 'BW', 0, 5.5, 7.5),
+      _Record(0, 'BW', 1, 6, 8, recompute_end=7), _Record(0, 'BW', 0, 8, 10, recompute_end=9),
   ]
 
 
@@ -58,8 +58,8 @@ def testSummaryOfAHandMadeTimeline():
 
 
 def testOverlappingStepsCountOnceAsBusy():
-  records = [_Record(0, 'F', 0, 0, 2), _Record(0, 'F', 1, 1, 3), _Record(0, 'B', 1, 5, 6),
-             _Record(0, 'B', 0, 6, 8)]
+  records = [_Record(0, 'F', 0, 0, 2), _Record(0, 'F', 1, 1, 3), _Record(0, 'BW', 1, 5, 6),
+             _Record(0, 'BW', 0, 6, 8)]
   (device,) = pipeline_stats.Summarize(pipeline_stats.Timeline.FromRecords(records)).devices
   assert device.forward == pytest.approx(4.0)  # The sum of the steps ...
   assert device.busy == pytest.approx(6.0)  # ... but [0, 3] + [5, 8] of wall time.
@@ -75,19 +75,24 @@ def testChromeTrace():
   assert tracks == {0: '/device:CPU:0', 1: '/device:CPU:1'}
   spans = {(e['tid'], e['name']): (e['ts'], e['dur'], e['cat']) for e in trace['traceEvents']
            if e['ph'] == 'X'}
-  # 8 steps, two of which split into a recompute and a backward span.
+  # 8 actions, two of which split into a recompute and a backward span.
   assert len(spans) == 10
   assert spans[(0, 'R1')] == pytest.approx((6e6, 1e6, 'recompute'))
-  assert spans[(0, 'B1')][:2] == pytest.approx((7e6, 1e6))
+  assert spans[(0, 'BW1')][:2] == pytest.approx((7e6, 1e6))
   assert spans[(1, 'F1')] == pytest.approx((2.5e6, 1e6, 'forward'))
-  assert spans[(1, 'B0')] == pytest.approx((5.5e6, 2e6, 'backward'))
+  assert spans[(1, 'BW0')] == pytest.approx((5.5e6, 2e6, 'backward'))
 
 
-@pytest.mark.parametrize('name', schedule.SCHEDULE_NAMES)
-def testSimulatedTimelineSummarizesToItsPrediction(name):
+NAMED = [('gpipe', 1), ('1f1b', 1), ('interleaved_1f1b', 2), ('zb_h1', 1), ('zb_h2', 1),
+         ('zbv', 2)]
+
+
+@pytest.mark.parametrize('name,v', NAMED)
+def testSimulatedTimelineSummarizesToItsPrediction(name, v):
   rng = np.random.default_rng(3)
-  prediction = simulator.Simulate(simulator.Orders(name, 3, 5), rng.uniform(1, 2, (3, 5)),
-                                  rng.uniform(2, 4, (3, 5)), transfer_cost=0.25)
+  m = 3 if name == 'interleaved_1f1b' else 5
+  prediction = simulator.Simulate(simulator.Orders(name, 3, m, v), rng.uniform(1, 2, (3 * v, m)),
+                                  rng.uniform(2, 4, (3 * v, m)), transfer_cost=0.25)
   timeline = pipeline_stats.Timeline.FromPrediction(prediction)
   summary = pipeline_stats.Summarize(timeline, name)
   assert summary.step_time == pytest.approx(prediction.step_time)
@@ -95,14 +100,17 @@ def testSimulatedTimelineSummarizesToItsPrediction(name):
   np.testing.assert_allclose([d.busy for d in summary.devices], prediction.busy)
 
 
-@pytest.mark.parametrize('name', schedule.SCHEDULE_NAMES)
-def testHandOverTimesRecoverTheSimulatedOnes(name):
+@pytest.mark.parametrize('name,v', NAMED)
+def testHandOverTimesRecoverTheSimulatedOnes(name, v):
   """Per-boundary hand-overs put into the simulator come back out of its timeline, and the
-  summary's simulation with unit stage costs then reproduces the simulated bubble exactly."""
-  prediction = simulator.Simulate(simulator.Orders(name, 3, 6), 1.0, 2.0,
-                                  transfer_cost=[0.25, 0.75])
+  summary's simulation with unit costs then reproduces the simulated bubble exactly."""
+  transfers = [0.25, 0.75, 0.5, 0.5, 0.125][:3 * v - 1]
+  prediction = simulator.Simulate(simulator.Orders(name, 3, 6, v), 1.0, 2.0,
+                                  transfer_cost=transfers)
   timeline = pipeline_stats.Timeline.FromPrediction(prediction)
-  np.testing.assert_allclose(timeline.HandOverTimes(), [0.25, 0.75])
+  placement = np.asarray(prediction.placement)
+  crossing = placement[1:] != placement[:-1]  # Boundaries inside a device cost nothing.
+  np.testing.assert_allclose(timeline.HandOverTimes(), np.where(crossing, transfers, 0.0))
   summary = pipeline_stats.Summarize(timeline, name)
   assert summary.simulated_bubble == pytest.approx(prediction.bubble_fraction)
 
@@ -113,8 +121,8 @@ def testHandOverTimesCountOnlyStepsThatWaited():
       # Stage 1 waits 0.5 for micro-batch 0; micro-batch 1 arrives while it is busy.
       _Record(1, 'F', 0, 1.5, 4), _Record(1, 'F', 1, 4, 5),
       # Overlapping timestamps (stage 0 recorded its start before stage 1's end): clipped to 0.
-      _Record(1, 'B', 1, 5, 6), _Record(1, 'B', 0, 6, 7), _Record(0, 'B', 1, 5.9, 8),
-      _Record(0, 'B', 0, 8, 9),
+      _Record(1, 'BW', 1, 5, 6), _Record(1, 'BW', 0, 6, 7), _Record(0, 'BW', 1, 5.9, 8),
+      _Record(0, 'BW', 0, 8, 9),
   ]
   timeline = pipeline_stats.Timeline.FromRecords(records)
   # Samples: F(0,1) waited 0.5, B(1,0) waited max(5.9 - 6, 0) = 0; the median of the two.
@@ -126,7 +134,7 @@ def testHandOverTimesCountOnlyStepsThatWaited():
 def testBadRecords():
   with pytest.raises(ValueError, match='No step records'):
     pipeline_stats.Timeline.FromRecords([])
-  with pytest.raises(ValueError, match=r"Unknown step kinds \['X'\]"):
+  with pytest.raises(ValueError, match=r"Unknown action kinds \['X'\]"):
     pipeline_stats.Timeline.FromRecords([_Record(0, 'X', 0, 0, 1)])
   with pytest.raises(ValueError, match='Got 2 rows of times for 1 records'):
     pipeline_stats.Timeline.FromRecords([_Record(0, 'F', 0, 0, 1)], np.zeros((2, 3)))
@@ -142,12 +150,13 @@ BATCH, DIM = 16, 8
 
 
 def _Pipe(num_stages, num_micro_batches, remat, sched='gpipe'):
+  v = dict(NAMED)[sched]
   layer = layers.TransformerFeedForwardLayer.Params().Set(input_dim=DIM, hidden_dim=16)
-  cells = gpipe.PartitionSequentialLayers([layer.Copy() for _ in range(4)], num_stages,
+  cells = gpipe.PartitionSequentialLayers([layer.Copy() for _ in range(4)], num_stages * v,
                                           tf.TensorShape([BATCH, DIM]))
   return gpipe.PipeliningLayer.Params().Set(
       name='pipe', cell_tpl=cells, num_micro_batches=num_micro_batches, remat=remat,
-      schedule=sched).Instantiate()
+      schedule=sched, virtual_stages=v).Instantiate()
 
 
 def _Loss(y):
@@ -155,13 +164,16 @@ def _Loss(y):
 
 
 def _CheckTimeline(timeline, num_stages, num_micro_batches, remat, sched='gpipe'):
-  steps = sorted(zip(timeline.stage.tolist(), timeline.backward.tolist(),
+  sched_obj = schedule.Schedule(sched, num_stages, num_micro_batches, dict(NAMED)[sched])
+  steps = sorted(zip(timeline.chunk.tolist(), timeline.kind.tolist(),
                      timeline.micro_batch.tolist()))
-  assert steps == sorted((k, b, m) for k in range(num_stages) for b in (False, True)
-                         for m in range(num_micro_batches))
+  kinds = {'F': 0, 'B': 1, 'W': 2, 'BW': 3}
+  assert steps == sorted((a.chunk, kinds[a.kind], a.micro_batch) for order in sched_obj.orders
+                         for a in order if a.kind != 'L')
   assert np.all(timeline.start <= timeline.end)
   recomputed = ~np.isnan(timeline.recompute_end)
-  expected = timeline.backward & {'always': True, 'never': False,
+  recomputes = (timeline.kind == 1) | (timeline.kind == 3)  # A B or BW, not a W.
+  expected = recomputes & {'always': True, 'never': False,
                                   'except_last': timeline.micro_batch < num_micro_batches - 1
                                   }[remat]
   np.testing.assert_array_equal(recomputed, expected)
@@ -174,7 +186,9 @@ def _CheckTimeline(timeline, num_stages, num_micro_batches, remat, sched='gpipe'
 
 
 @pytest.mark.parametrize('k,m,remat,sched', [(2, 4, 'except_last', 'gpipe'),
-                                             (4, 2, 'always', '1f1b')])
+                                             (4, 2, 'always', '1f1b'),
+                                             (2, 4, 'always', 'zb_h1'),
+                                             (2, 2, 'never', 'zbv')])
 def testMeasuringChangesNoResultEagerAndInTfFunction(k, m, remat, sched):
   pipe = _Pipe(k, m, remat, sched)
   x = tf.random.stateless_normal([BATCH, DIM], [1, 2])
@@ -227,14 +241,15 @@ def testStackTimesOfATracedFunctionAndTapeBackward():
 
 
 def _StepOf(op_name):
-  """(stage, kind, micro_batch) of an op in a pipeline step's name scope, else None."""
-  match = re.match(r'stage(\d+)_([FB])(\d+)/', op_name)
+  """(chunk, kind, micro_batch) of an op in a pipeline action's name scope, else None."""
+  match = re.match(r'(?:gradient_tape/)?chunk(\d+)_([FBW]+)(\d+)/', op_name)
   return (int(match[1]), match[2], int(match[3])) if match else None
 
 
 @pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
 def testMeasuringAddsNoWaitBetweenStages(sched):
-  """In the measured graph a step waits only for its stage and its schedule dependencies."""
+  """In the measured graph an action waits only for its device and its schedule
+  dependencies."""
   pipe = _Pipe(2, 2, 'always', sched)
   x = tf.random.stateless_normal([BATCH, DIM], [1, 2])
 
@@ -248,12 +263,12 @@ def testMeasuringAddsNoWaitBetweenStages(sched):
     step = _StepOf(op.name)
     if step is None:
       continue
-    k, kind, m = step
-    allowed = {(k - 1, 'F', m)} | ({(k + 1, 'B', m)} if kind == 'B' else set())
+    c, kind, m = step
+    allowed = {(c - 1, 'F', m)} | ({(c + 1, 'B', m), (c + 1, 'BW', m)} if 'B' in kind else set())
     for other in [t.op for t in op.inputs] + list(op.control_inputs):
       waits_on = _StepOf(other.name)
-      assert waits_on is None or waits_on[0] == k or waits_on in allowed, (
-          f'{op.name} waits for {other.name}')
+      assert (waits_on is None or pipe.placement[waits_on[0]] == pipe.placement[c] or
+              waits_on in allowed), f'{op.name} waits for {other.name}'
 
 
 # -- the trainer's --pipeline_stats_every ------------------------------------------------
@@ -297,7 +312,7 @@ def testTrainerWritesPipelineStatisticsAndTrainsTheSame(tmp_path):
   with open(os.path.join(train_dir, 'pipeline_trace_4.json')) as f:
     spans = [e for e in json.load(f)['traceEvents'] if e['ph'] == 'X']
   assert sorted(e['name'] for e in spans) == sorted(
-      ['F0', 'F1', 'R0', 'R1', 'B0', 'B1'] * 2)
+      ['F0', 'F1', 'R0', 'R1', 'BW0', 'BW1'] * 2)
   checkpoints = [
       tf.train.load_checkpoint(tf.train.latest_checkpoint(str(tmp_path / name / 'train')))
       for name in ('plain', 'measured')]

@@ -9,44 +9,59 @@ import pytest
 from lingvo_gpipe.core import schedule
 from lingvo_gpipe.core import simulator
 
-F, B = schedule.FORWARD, schedule.BACKWARD
+A = schedule.Action
+NAMED = [('gpipe', 1), ('1f1b', 1), ('interleaved_1f1b', 2), ('zb_h1', 1), ('zb_h2', 1),
+         ('zbv', 2)]
 
 
-def _Reference(orders, forward, backward):
-  """schedule.Simulate with [K, M] cost arrays, as (start, end) [2, K, M] arrays."""
-  times = schedule.Simulate(orders, lambda k, m: forward[k, m], lambda k, m: backward[k, m])
-  start, end = np.full((2,) + forward.shape, np.nan), np.full((2,) + forward.shape, np.nan)
-  for ((m, kind), k), (s, e) in times.items():
-    start[int(kind == B), k, m], end[int(kind == B), k, m] = s, e
+def _Reference(sched, costs):
+  """schedule.Simulate with [4, C, M] cost arrays (F, B, W, BW), as (start, end) arrays."""
+  code = {'F': 0, 'B': 1, 'W': 2, 'BW': 3}
+  times = schedule.Simulate(
+      sched.orders, sched.placement, sched.num_micro_batches,
+      lambda a: 0.0 if a.kind == 'L' else costs[code[a.kind], a.chunk, a.micro_batch])
+  start, end = np.full(costs.shape, np.nan), np.full(costs.shape, np.nan)
+  for a, (s, e) in times.items():
+    if a.kind != 'L':
+      start[code[a.kind], a.chunk, a.micro_batch], end[code[a.kind], a.chunk, a.micro_batch] = s, e
   return start, end
 
 
 @pytest.mark.parametrize('k,m', list(itertools.product([1, 2, 3, 5], [1, 2, 3, 7])))
-@pytest.mark.parametrize('name', schedule.SCHEDULE_NAMES)
-def testEveryStepEqualsScheduleSimulate(name, k, m):
+@pytest.mark.parametrize('name,v', NAMED)
+def testEveryActionEqualsScheduleSimulate(name, v, k, m):
+  """With random costs per action kind, chunk and micro-batch, every start and end equals
+  the Python run of schedule.py, action by action."""
+  if name == 'interleaved_1f1b' and m > k and m % k:
+    m = k  # Groups of K: the nearest size it runs.
   rng = np.random.default_rng(k * 100 + m)
-  forward, backward = rng.uniform(0.1, 2.0, (k, m)), rng.uniform(0.1, 3.0, (k, m))
-  orders = schedule.Schedule(name, k, m).orders
-  ref_start, ref_end = _Reference(orders, forward, backward)
-  for given in (orders, simulator.Orders(name, k, m)):
-    got = simulator.Simulate(given, forward, backward)
-    np.testing.assert_allclose(got.start, ref_start, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(got.end, ref_end, rtol=1e-12, atol=1e-12)
-  busy = forward.sum(axis=1) + backward.sum(axis=1)
+  c = k * v
+  forward, backward = rng.uniform(0.1, 2.0, (c, m)), rng.uniform(0.1, 3.0, (c, m))
+  input_grad, weight_grad = rng.uniform(0.1, 2.0, (c, m)), rng.uniform(0.1, 1.0, (c, m))
+  sched = schedule.Schedule(name, k, m, v)
+  costs = np.stack([forward, input_grad, weight_grad, backward])
+  ref_start, ref_end = _Reference(sched, costs)
+  got = simulator.Simulate(simulator.Orders(name, k, m, v), forward, backward,
+                           input_grad_cost=input_grad, weight_grad_cost=weight_grad)
+  np.testing.assert_allclose(got.start, ref_start, rtol=1e-12, atol=1e-12)
+  np.testing.assert_allclose(got.end, ref_end, rtol=1e-12, atol=1e-12)
+  ran = ~np.isnan(ref_end)
+  busy = np.bincount(sched.placement, np.where(ran, costs, 0.0).sum(axis=(0, 2)), minlength=k)
   np.testing.assert_allclose(got.busy, busy)
   assert got.step_time == pytest.approx(np.nanmax(ref_end))
   assert got.bubble_fraction == pytest.approx(1 - busy.sum() / (k * np.nanmax(ref_end)))
 
 
-@pytest.mark.parametrize('k,m', [(1, 1), (2, 3), (4, 4), (4, 16), (8, 5)])
-@pytest.mark.parametrize('name', schedule.SCHEDULE_NAMES)
-def testUnitCostsGiveTheoreticalBubbleAndInFlight(name, k, m):
-  sched = schedule.Schedule(name, k, m)
-  got = simulator.Simulate(simulator.Orders(name, k, m))
+@pytest.mark.parametrize('k,m', [(1, 1), (2, 2), (4, 4), (4, 16), (8, 8)])
+@pytest.mark.parametrize('name,v', NAMED)
+def testUnitCostsGiveTheScheduleBubbleAndMemory(name, v, k, m):
+  sched = schedule.Schedule(name, k, m, v)
+  got = simulator.Simulate(simulator.Orders(name, k, m, v), 1.0, 2.0)
   assert got.step_time == sched.num_clocks
   assert got.bubble_fraction == pytest.approx(sched.BubbleFraction())
-  assert got.bubble_fraction == pytest.approx(schedule.TheoreticalBubble(k, m))
   assert got.max_in_flight.tolist() == [sched.MaxInFlight(s) for s in range(k)]
+  assert got.max_pending_weight_grads.tolist() == [sched.MaxPendingWeightGrads(s)
+                                                   for s in range(k)]
 
 
 def testFillDrainMakespanIsTheFlowShopClosedForm():
@@ -60,17 +75,27 @@ def testFillDrainMakespanIsTheFlowShopClosedForm():
 
 
 def testHandComputedTimelineWithTransfers():
-  # K=2, M=2 fill-drain, F=1, B=2, hand-over 0.5 between the stages:
-  # stage 0: F0 0-1, F1 1-2, B1 6-8, B0 8-10;
-  # stage 1: F0 1.5-2.5, F1 2.5-3.5, B1 3.5-5.5, B0 5.5-7.5.
+  # K=2, M=2 fill-drain, F=1, BW=2, hand-over 0.5 between the stages:
+  # stage 0: F0 0-1, F1 1-2, BW1 6-8, BW0 8-10;
+  # stage 1: F0 1.5-2.5, F1 2.5-3.5, BW1 3.5-5.5, BW0 5.5-7.5.
   got = simulator.Simulate(simulator.Orders('gpipe', 2, 2), 1.0, 2.0, transfer_cost=0.5)
-  np.testing.assert_allclose(got.start[0], [[0, 1], [1.5, 2.5]])
-  np.testing.assert_allclose(got.start[1], [[8, 6], [5.5, 3.5]])
-  np.testing.assert_allclose(got.end[1], [[10, 8], [7.5, 5.5]])
+  bw = simulator.BACKWARD
+  np.testing.assert_allclose(got.start[simulator.FORWARD], [[0, 1], [1.5, 2.5]])
+  np.testing.assert_allclose(got.start[bw], [[8, 6], [5.5, 3.5]])
+  np.testing.assert_allclose(got.end[bw], [[10, 8], [7.5, 5.5]])
+  assert np.isnan(got.end[simulator.INPUT_GRAD]).all()
   assert got.step_time == 10.0
   np.testing.assert_allclose(got.busy, [6.0, 6.0])
   np.testing.assert_allclose(got.idle, [4.0, 4.0])
   assert got.bubble_fraction == pytest.approx(0.4)
+
+
+def testNoHandOverBetweenChunksOfOneDevice():
+  """ZB-V's chunks K-1 and K share a device: the V's turn costs no transfer."""
+  orders = simulator.Orders('zbv', 2, 1, 2)
+  got = simulator.Simulate(orders, 1.0, 2.0, transfer_cost=[0.5, 0.5, 0.5])
+  f = got.start[simulator.FORWARD, :, 0]
+  np.testing.assert_allclose(f, [0, 1.5, 2.5, 4.0])  # Chunk 2 right after chunk 1.
 
 
 def testPeakActivationMemory():
@@ -80,21 +105,26 @@ def testPeakActivationMemory():
   np.testing.assert_allclose(got.peak_activation_bytes, [45, 65, 65, 45])
   fill_drain = simulator.Simulate(simulator.Orders('gpipe', 4, 8), activation_bytes=10)
   np.testing.assert_allclose(fill_drain.peak_activation_bytes, [80] * 4)
+  zb = simulator.Simulate(simulator.Orders('zb_h1', 4, 8), activation_bytes=10,
+                          weight_grad_bytes=3)
+  np.testing.assert_allclose(zb.peak_activation_bytes,
+                             zb.max_in_flight * 10 + zb.max_pending_weight_grads * 3)
 
 
 def testLargePipelineInSeconds():
   start = time.perf_counter()
-  got = simulator.Simulate(simulator.Orders('gpipe', 256, 2048), 1.0, 2.0)
-  assert time.perf_counter() - start < 20.0
-  assert got.bubble_fraction == pytest.approx(schedule.TheoreticalBubble(256, 2048))
+  got = simulator.Simulate(simulator.Orders('gpipe', 128, 1024), 1.0, 2.0)
+  assert time.perf_counter() - start < 30.0
+  assert got.bubble_fraction == pytest.approx(schedule.TheoreticalBubble(128, 1024))
 
 
 @pytest.mark.parametrize('kwargs,match', [
-    (dict(forward_cost=[1.0, 2.0]), 'forward_cost has 2 per-stage values for 3 stages'),
+    (dict(forward_cost=[1.0, 2.0]), 'forward_cost has 2 per-chunk values for 3 chunks'),
     (dict(backward_cost=np.ones((3, 2))), r'backward_cost has shape \(3, 2\); expected'),
     (dict(forward_cost=-1.0), 'forward_cost must be finite and non-negative, got -1.0'),
-    (dict(transfer_cost=[1.0]), 'transfer_cost has 1 values for 2 stage boundaries'),
-    (dict(activation_bytes=[1, 2]), 'activation_bytes must be a scalar or 3 per-stage values'),
+    (dict(input_grad_cost=np.inf), 'input_grad_cost must be finite'),
+    (dict(transfer_cost=[1.0]), 'transfer_cost has 1 values for 2 chunk boundaries'),
+    (dict(activation_bytes=[1, 2]), 'activation_bytes must be a scalar or 3 per-device values'),
 ])
 def testBadCosts(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -106,5 +136,9 @@ def testBadSchedulesAndDeadlock():
     simulator.Orders('zb', 2, 2)
   with pytest.raises(ValueError, match='num_micro_batches must be a positive int, got 0'):
     simulator.Orders('gpipe', 2, 0)
+  with pytest.raises(ValueError, match="'zbv' runs 2 chunk"):
+    simulator.Orders('zbv', 2, 2)
+  orders = simulator.ToArrays([[A('F', 0, 0), A('BW', 0, 0), A('F', 1, 0), A('BW', 1, 0)],
+                               [A('F', 0, 1), A('F', 1, 1), A('BW', 1, 1), A('BW', 0, 1)]])
   with pytest.raises(ValueError, match='deadlocks'):
-    simulator.Simulate([[(0, F), (0, B), (1, F), (1, B)], [(0, F), (1, F), (1, B), (0, B)]])
+    simulator.Simulate(orders)

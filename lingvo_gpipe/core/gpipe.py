@@ -1,39 +1,36 @@
 """GPipe: cells on devices, micro-batches, re-materialization, exact gradients.
 
-A PipeliningLayer cuts a network into K cells on K devices and a batch into M
-micro-batches. One micro-batch's path through a training step, as `_Run` below
-executes it:
+A PipeliningLayer cuts a network into cells (chunks) on K devices and a batch
+into M micro-batches. One micro-batch's path through a training step:
 
   1. split: the batch is cut along `batch_dim` (microbatch.Split);
-  2. forward F(m, k): cell k runs on device k; only its input, the boundary
-     activation, is kept (with remat) and handed to device k+1;
-  3. backward B(m, k): cell k re-runs its forward on the kept input under a
-     local tape and takes the gradients of its input and weights for the
-     incoming output gradient;
-  4. accumulation: the weight gradient is added to the stage's running sum at
-     once, so no more than one micro-batch's weight gradient per stage exists;
-  5. reassembly: outputs and input gradients are concatenated back.
+  2. forward F(m, c): chunk c runs on its device; only its input, the boundary
+     activation, is kept (with remat) and handed to chunk c+1;
+  3. loss L(m): on the last chunk's device, per micro-batch or, for fill-drain,
+     once for the whole batch;
+  4. backward: chunk c re-runs its forward on the kept input under a local tape
+     and takes the gradients of its input (B) and weights (W), fused (BW) or
+     split so that W can fill the pipeline's bubbles;
+  5. accumulation: the weight gradient is added to the chunk's running sum at
+     once, so no more than one micro-batch's weight gradient per chunk exists;
+  6. reassembly: outputs and input gradients are concatenated back.
 
-Which step runs when is data (schedule.py); the executor follows it, and in
-graphs each step waits (control dependencies) for the previous step of the same
-stage, so TensorFlow cannot run ahead and hold M micro-batches' gradients. Each
-step is one call of a per-cell function (`_CellSteps`), which keeps graphs small.
-With `num_replicas` R, R copies of this run each take 1/R of the batch
-(`_Replicas`) and their weight gradients are summed.
+Which action runs when is data (schedule.py: print(pipe.GetSchedule(batch)));
+executor.py runs the actions in that order. With `num_replicas` R, R copies
+of the pass each take 1/R of the batch and their weight gradients are summed.
 
-The backward pass is written out here rather than left to the tape because the
+The backward pass is written out rather than left to the tape because the
 tape sums a weight's M gradients only once all exist (the peak grows with M);
-re-materialization is therefore this explicit recompute-then-differentiate of
-each cell, the same idea as tf.recompute_grad with the accumulation in our hands.
+re-materialization is therefore an explicit recompute-then-differentiate of
+each chunk, the same idea as tf.recompute_grad with the accumulation in our hands.
 """
-
-import contextlib
 
 import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import devices as devices_lib
+from lingvo_gpipe.core import executor
 from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import metrics as metrics_lib
@@ -46,27 +43,10 @@ from lingvo_gpipe.core import schedule as schedule_lib
 REMAT_MODES = ('always', 'except_last', 'never')
 
 
-def _AsArgs(value):
-  """A cell's output as the argument tuple of the next cell."""
-  return value if isinstance(value, tuple) else (value,)
-
-
-def _IsFloatTensor(x):
-  return isinstance(x, (tf.Tensor, tf.Variable)) and x.dtype.is_floating
-
-
-def _After(tokens, structure):
-  """`structure` made to wait for `tokens` (no-op when eager: Python orders it)."""
-  if not tokens or tf.executing_eagerly():
-    return structure
-  with tf.control_dependencies(tokens):
-    return tf.nest.map_structure(
-        lambda x: tf.identity(x) if isinstance(x, tf.Tensor) else x, structure)
-
-
 def _CastFloats(structure, dtype):
   return tf.nest.map_structure(
-      lambda x: tf.cast(x, dtype) if _IsFloatTensor(x) and x.dtype != dtype else x, structure)
+      lambda x: tf.cast(x, dtype) if executor.IsFloatTensor(x) and x.dtype != dtype else x,
+      structure)
 
 
 class FeatureExtractionLayer(layers.SequentialLayer):
@@ -102,375 +82,6 @@ class FeatureExtractionLayer(layers.SequentialLayer):
     return out, acts
 
 
-@tf.function(autograph=False)
-def _Now(clock):
-  """tf.timestamp() in a call that takes the stage's `clock` variable.
-
-  Inside a tf.function, automatic control dependencies chain every stateful op
-  that has no resource input (tf.timestamp is one) in program order, which
-  would make each stage's stamps wait for the other stages' steps. A call that
-  takes a resource it only reads is ordered by nothing but its own inputs.
-  """
-  del clock  # Only its presence as an input matters.
-  return tf.timestamp()
-
-
-def _Stamp(clock, structure):
-  """The time (seconds) once every tensor of `structure` exists."""
-  with tf.control_dependencies([x for x in tf.nest.flatten(structure)
-                                if isinstance(x, tf.Tensor)]):
-    return _Now(clock)
-
-
-def _Accumulate(total, grads):
-  """The running sum of a stage's weight gradients (None before the first)."""
-  return grads if total is None else tf.nest.map_structure(tf.add, total, grads)
-
-
-def _Watch(tape, theta, args):
-  tape.watch([x for x in tf.nest.flatten(args) if _IsFloatTensor(x)])
-  tape.watch(tf.nest.flatten(theta))
-
-
-def _CellGradients(tape, theta, args, targets, target_grads):
-  """Gradients of `targets` (weighted by target_grads) w.r.t. args and theta."""
-  pairs = [(t, g) for t, g in zip(tf.nest.flatten(targets), tf.nest.flatten(target_grads))
-           if _IsFloatTensor(t)]
-  flat_args = tf.nest.flatten(args)
-  arg_index = [i for i, x in enumerate(flat_args) if _IsFloatTensor(x)]
-  grads = tape.gradient(
-      [t for t, _ in pairs], [flat_args[i] for i in arg_index] + tf.nest.flatten(theta),
-      output_gradients=[tf.zeros_like(t) if g is None else tf.cast(g, t.dtype)
-                        for t, g in pairs],
-      unconnected_gradients=tf.UnconnectedGradients.ZERO)
-  return (tf.nest.pack_sequence_as(args, _Replaced([None] * len(flat_args), arg_index, grads)),
-          tf.nest.pack_sequence_as(theta, grads[len(arg_index):]))
-
-
-class _CellSteps:
-  """Cell k's forward and recompute-then-backward, each traced once as a function.
-
-  A schedule step is then one call op: unrolling K=4 cells over M=32 inline
-  made 80k ops and minutes of tracing. `_noinline` stops TensorFlow from
-  inlining the calls back before it optimizes the graph. Where the micro-batch
-  sits in the batch and the step are tensor arguments, so one trace serves
-  every micro-batch; batch-norm statistics come back keyed by layer path, so
-  no trace leaves state behind that another trace's calls would rely on.
-  The first backward of a pass has no weight-gradient sum to add to: it is a
-  function of its own, so neither function is traced twice (None, then sums).
-  """
-
-  def __init__(self, layer, k, device):
-    self._layer = layer
-    self._k = k
-    self._device = device
-    self._clock = None
-    options = dict(autograph=False, experimental_attributes={'_noinline': True})
-    self._forward = py_utils.DistinctFunction(self._Forward, **options)
-    self._backward = py_utils.DistinctFunction(self._Backward, **options)
-    self._first_backward = py_utils.DistinctFunction(self._FirstBackward, **options)
-
-  def _Context(self, where, training, updates):
-    offset, size, step = where
-    batch_slice = py_utils.BatchSlice(offset, size, self._layer.params.batch_dim)
-    return py_utils.Context(training=training, step=step, batch_slice=batch_slice,
-                            updates=updates)
-
-  def _Forward(self, theta, args, where, training):
-    updates = []
-    with tf.device(self._device), self._Context(where, training, updates):
-      out, acts = self._layer.CellFProp(self._k, theta, args)
-    stats = {}
-    for layer, layer_stats in updates:
-      stats.setdefault(layer.path, []).append(layer_stats)
-    return out, acts, stats
-
-  def _Backward(self, theta, args, grads_in, theta_grads, where, training, measure):
-    with tf.device(self._device), self._Context(where, training, []):
-      with tf.GradientTape(watch_accessed_variables=False) as tape:
-        _Watch(tape, theta, args)
-        out, acts = self._layer.CellFProp(self._k, theta, args)
-      recomputed = _Stamp(self.clock, (out, acts)) if measure else None
-      d_args, d_theta = _CellGradients(tape, theta, args, (out, acts), grads_in)
-      return d_args, _Accumulate(theta_grads, d_theta), recomputed
-
-  def _FirstBackward(self, theta, args, grads_in, where, training, measure):
-    return self._Backward(theta, args, grads_in, None, where, training, measure)
-
-  @property
-  def clock(self):
-    """The variable this stage's time stamps take (see _Now); made on first use."""
-    if self._clock is None:
-      with tf.init_scope(), tf.device(self._device):
-        self._clock = tf.Variable(0.0, trainable=False, name=f'clock{self._k}')
-    return self._clock
-
-  @staticmethod
-  def _Variable(x):
-    # Grappler specializes a function for each call with constant inputs (here:
-    # the micro-batch offset), which for K x M calls takes minutes; grappler does
-    # not fold a PlaceholderWithDefault, so adding one (0) keeps inputs variable.
-    zero = tf.raw_ops.PlaceholderWithDefault(input=tf.constant(0, tf.int64), shape=[])
-    return zero + tf.cast(x, tf.int64)
-
-  def Forward(self, theta, args, where, training):
-    """(outputs, activations, [(layer, stats)]) of the cell.
-
-    where: (offset of the micro-batch in the whole batch, its size, step).
-    """
-    out, acts, stats = self._forward(theta, args, tuple(map(self._Variable, where)), training)
-    by_path = self._layer.cell[self._k].LayersByPath()
-    return out, acts, [(by_path[path], s) for path in sorted(stats) for s in stats[path]]
-
-  def Backward(self, theta, args, grads_in, theta_grads, where, training):
-    """(input grads, theta_grads + this micro-batch's theta grads, time the recompute
-    ended or None) of the cell; the sum happens inside the call, one op per step."""
-    measure = py_utils.CurrentContext().step_stats is not None
-    where = tuple(map(self._Variable, where))
-    if theta_grads is None:
-      return self._first_backward(theta, args, grads_in, where, training, measure)
-    return self._backward(theta, args, grads_in, theta_grads, where, training, measure)
-
-
-class _Run:
-  """The state of one pipelined pass, executed one schedule step at a time.
-
-  Holds the boundary activations waiting for their stage, forward tapes of
-  micro-batches that are not re-materialized, output gradients waiting for
-  their backward, and each stage's running sum of weight gradients.
-  """
-
-  def __init__(self, layer, replica, thetas, micro_args, remat, keep_inputs, step,
-               first_example):
-    self.layer = layer
-    self.replica = replica
-    self.training = py_utils.CurrentContext().training
-    self.step = step  # Kept here: a backward runs when the tape asks, maybe out of context.
-    self.first_example = first_example
-    self.micro_batch_size = microbatch.BatchSize(micro_args[0], layer.params.batch_dim)
-    self.devices = layer.ReplicaDevices(replica)
-    self.cell_steps = layer.cell_steps[replica]
-    self.thetas = thetas
-    self.remat = remat
-    self.keep_inputs = keep_inputs
-    self.num_stages = len(thetas)
-    self.num_micro_batches = len(micro_args)
-    self.inputs = {(m, 0): args for m, args in enumerate(micro_args)}
-    self.tapes = {}
-    self.outputs = {}
-    self.acts = {}
-    self.out_grads = {}
-    self.act_grads = {}
-    self.input_grads = {}
-    self.theta_grads = [None] * self.num_stages
-    self.tokens = [[] for _ in range(self.num_stages)]
-    self.updates = []
-    self.loss_grad_fn = None  # 1F1B: called with m to set the last stage's output grads.
-
-  def _Scope(self, stage, kind, m):
-    """Device, name scope and FProp context of one step."""
-    scope = contextlib.ExitStack()
-    scope.enter_context(tf.device(self.devices[stage]))
-    if self.layer.num_replicas > 1:
-      scope.enter_context(tf.name_scope(f'replica{self.replica}'))
-    scope.enter_context(tf.name_scope(f'stage{stage}_{kind}{m}'))
-    offset, size, step = self._Where(m)
-    scope.enter_context(py_utils.Context(
-        training=self.training, step=step,
-        batch_slice=py_utils.BatchSlice(offset, size, self.layer.params.batch_dim)))
-    return scope
-
-  def _Where(self, m):
-    """(offset of micro-batch m in the whole batch, its size, step): what random ops need."""
-    return (self.first_example + m * self.micro_batch_size, self.micro_batch_size, self.step)
-
-  def _StartStamp(self, stage, inputs):
-    """When measuring: (the time the step's inputs are ready, the inputs made to wait
-    for that stamp, so that the step's work and its later stamps come after it);
-    else (None, inputs)."""
-    if py_utils.CurrentContext().step_stats is None:
-      return None, inputs
-    start = _Stamp(self.cell_steps[stage].clock, inputs)
-    return start, _After([start], inputs)
-
-  def _Record(self, stage, kind, m, start, outputs, recompute_end=None):
-    """When measuring: appends the step's timing record to the context's list and
-    returns [its end stamp] for the stage's next step to wait for (else []): a stamp
-    that nothing waits for may run long after the outputs exist, when a busy
-    executor gets to it."""
-    stats = py_utils.CurrentContext().step_stats
-    if stats is None:
-      return []
-    end = _Stamp(self.cell_steps[stage].clock, (outputs, recompute_end))
-    stats.append(py_utils.NestedMap(
-        replica=self.replica, stage=stage, kind=kind, micro_batch=m, start=start, end=end,
-        recompute_end=recompute_end))
-    return [end]
-
-  def _Remat(self, m):
-    return self.remat == 'always' or (self.remat == 'except_last' and
-                                      m < self.num_micro_batches - 1)
-
-  def Forward(self, m, k):
-    """F(m, k): runs cell k on micro-batch m and hands its output on."""
-    key = (m, k)
-    with self._Scope(k, schedule_lib.FORWARD, m):
-      args = _After(self.tokens[k], self.inputs[key])
-      start, args = self._StartStamp(k, args)
-      if self._Remat(m):
-        out, acts, updates = self.cell_steps[k].Forward(self.thetas[k], args, self._Where(m),
-                                                        self.training)
-        if not self.keep_inputs:
-          del self.inputs[key]
-      else:
-        updates = []
-        tape = tf.GradientTape(watch_accessed_variables=False)
-        with tape, py_utils.Context(updates=updates):
-          _Watch(tape, self.thetas[k], args)
-          out, acts = self.layer.CellFProp(k, self.thetas[k], args)
-        self.tapes[key] = (tape, args, out, acts)
-        del self.inputs[key]
-      end = self._Record(k, schedule_lib.FORWARD, m, start, (out, acts))
-    self.updates += updates
-    self.tokens[k] = [x for x in tf.nest.flatten(out) if isinstance(x, tf.Tensor)] + end
-    self.acts[key] = acts
-    if k + 1 < self.num_stages:
-      self.inputs[(m, k + 1)] = out
-    else:
-      self.outputs[m] = out
-
-  def Backward(self, m, k):
-    """B(m, k): gradients of cell k for micro-batch m, accumulated at once."""
-    key = (m, k)
-    if k == self.num_stages - 1 and key not in self.out_grads:
-      self.loss_grad_fn(m)
-    no_act_grads = tf.nest.map_structure(lambda _: None, self.acts[key])
-    grads_in = (self.out_grads.pop(key), self.act_grads.pop(key, no_act_grads))
-    with self._Scope(k, schedule_lib.BACKWARD, m):
-      if key in self.tapes:
-        tape, args, out, acts = self.tapes.pop(key)
-        grads_in = _After(self.tokens[k], grads_in)
-        start, grads_in = self._StartStamp(k, grads_in)
-        d_args, d_theta = _CellGradients(tape, self.thetas[k], args, (out, acts), grads_in)
-        self.theta_grads[k] = _Accumulate(self.theta_grads[k], d_theta)
-        recomputed = None
-      else:
-        # The recompute also waits for the output gradient, so a stage holds a
-        # cell's activations only while it can run that cell's backward.
-        waits = self.tokens[k] + [g for g in tf.nest.flatten(grads_in) if g is not None]
-        args, grads_in = _After(waits, (self.inputs.pop(key), grads_in))
-        start, (args, grads_in) = self._StartStamp(k, (args, grads_in))
-        d_args, self.theta_grads[k], recomputed = self.cell_steps[k].Backward(
-            self.thetas[k], args, grads_in, self.theta_grads[k], self._Where(m), self.training)
-      end = self._Record(k, schedule_lib.BACKWARD, m, start, (d_args, self.theta_grads[k]),
-                   recomputed)
-    self.tokens[k] = tf.nest.flatten(self.theta_grads[k]) + end
-    if k > 0:
-      self.out_grads[(m, k - 1)] = d_args
-    else:
-      self.input_grads[m] = d_args
-
-  def Step(self, step):
-    if step.kind == schedule_lib.FORWARD:
-      self.Forward(step.micro_batch, step.stage)
-    else:
-      self.Backward(step.micro_batch, step.stage)
-
-  def MergedOutputs(self):
-    """(outputs, fetched activations) of the whole batch."""
-    batch_dim = self.layer.params.batch_dim
-    outputs = microbatch.Merge([self.outputs[m] for m in range(self.num_micro_batches)],
-                               batch_dim)
-    acts = py_utils.NestedMap()
-    for k in range(self.num_stages):
-      for name in self.acts[(0, k)]:
-        acts[name] = microbatch.Merge(
-            [self.acts[(m, k)][name] for m in range(self.num_micro_batches)], batch_dim)
-    return outputs, acts
-
-  def SetOutputGradients(self, d_outputs, d_acts):
-    """Splits whole-batch gradients of outputs and activations per micro-batch."""
-    batch_dim, num = self.layer.params.batch_dim, self.num_micro_batches
-    for m, d in enumerate(microbatch.Split(d_outputs, num, batch_dim)):
-      self.out_grads[(m, self.num_stages - 1)] = d
-    for k in range(self.num_stages):
-      names = list(self.acts[(0, k)])
-      if names:
-        pieces = microbatch.Split(py_utils.NestedMap({n: d_acts[n] for n in names}), num,
-                                  batch_dim)
-        for m, piece in enumerate(pieces):
-          self.act_grads[(m, k)] = piece
-
-  def MergedInputGradients(self):
-    return microbatch.Merge([self.input_grads[m] for m in range(self.num_micro_batches)],
-                            self.layer.params.batch_dim)
-
-
-class _Replicas:
-  """R data-parallel copies of one pipelined pass, each on 1/R of the batch.
-
-  Weights live on replica 0's devices; every replica reads them onto its own
-  devices, and the replicas' weight gradients are summed back on replica 0's
-  devices: the all-reduce that makes R replicas train like one device on the
-  whole batch. With R = 1 this is just the one _Run.
-  """
-
-  def __init__(self, layer, thetas, args, num_micro_batches, remat, step, keep_inputs=True):
-    self._layer = layer
-    batch_dim = layer.params.batch_dim
-    parts = microbatch.Split(args, layer.num_replicas, batch_dim) if (
-        layer.num_replicas > 1) else [args]
-    rows = microbatch.BatchSize(parts[0], batch_dim)
-    self.runs = [
-        _Run(layer, r, layer.ReplicaThetas(thetas, r),
-             microbatch.Split(part, num_micro_batches, batch_dim), remat, keep_inputs, step,
-             first_example=r * rows)
-        for r, part in enumerate(parts)]
-
-  def Execute(self, steps):
-    """Runs the schedule's steps, each on every replica."""
-    for step in steps:
-      for run in self.runs:
-        run.Step(step)
-
-  def _Merge(self, values):
-    return values[0] if len(values) == 1 else microbatch.Merge(values, self._layer.params.batch_dim)
-
-  def MergedOutputs(self):
-    """(outputs, fetched activations) of the whole batch."""
-    return self._Merge([run.MergedOutputs() for run in self.runs])
-
-  def SetOutputGradients(self, d_outputs, d_acts):
-    parts = microbatch.Split((d_outputs, d_acts), len(self.runs), self._layer.params.batch_dim) if (
-        len(self.runs) > 1) else [(d_outputs, d_acts)]
-    for run, (d_out, d_act) in zip(self.runs, parts):
-      run.SetOutputGradients(d_out, d_act)
-
-  def MergedInputGradients(self):
-    return self._Merge([run.MergedInputGradients() for run in self.runs])
-
-  @property
-  def theta_grads(self):
-    """Per stage, the weight gradients summed over replicas on replica 0's device."""
-    if len(self.runs) == 1:
-      return self.runs[0].theta_grads
-    sums = []
-    for k, device in enumerate(self._layer.ReplicaDevices(0)):
-      with tf.device(device):
-        sums.append(tf.nest.map_structure(lambda *g: tf.add_n(list(g)),
-                                          *[run.theta_grads[k] for run in self.runs]))
-    return sums
-
-  @property
-  def updates(self):
-    return [u for run in self.runs for u in run.updates]
-
-  def SetLossGradFn(self, fn):
-    """1F1B: fn(run, m) sets the last stage's output gradients of run's micro-batch m."""
-    for run in self.runs:
-      run.loss_grad_fn = lambda m, run=run: fn(run, m)
-
-
 class PipeliningLayer(base_layer.BaseLayer):
   """Runs cells on devices as a pipeline of micro-batches (GPipe).
 
@@ -499,7 +110,12 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('remat', 'always',
              "Re-materialization: 'always', 'except_last' (the last micro-batch keeps its "
              "activations) or 'never'.")
-    p.Define('schedule', 'gpipe', "'gpipe' (fill-drain) or '1f1b' (ForwardBackward only).")
+    p.Define('schedule', 'gpipe',
+             f'One of {list(schedule_lib.SCHEDULE_NAMES)}: fill-drain (also under a tape), '
+             '1F1B, interleaved 1F1B, zero-bubble H1/H2 and V (ForwardBackward).')
+    p.Define('virtual_stages', 1,
+             'v chunks per device: cell_tpl holds K * v cells for K devices '
+             "(interleaved_1f1b: any v; zbv: 2; other schedules: 1).")
     p.Define('num_replicas', 1,
              'R data-parallel copies of the pipeline, each on 1/R of the batch; `devices` then '
              'lists R x K devices, replica r stage k at devices[r * K + k].')
@@ -517,41 +133,52 @@ class PipeliningLayer(base_layer.BaseLayer):
                        'params per stage.')
     if p.remat not in REMAT_MODES:
       raise ValueError(f'Unknown remat {p.remat!r}; expected one of {list(REMAT_MODES)}.')
-    if p.schedule not in schedule_lib.SCHEDULE_NAMES:
-      raise ValueError(f'Unknown schedule {p.schedule!r}; expected one of '
-                       f'{list(schedule_lib.SCHEDULE_NAMES)}.')
+    if not isinstance(p.virtual_stages, int) or p.virtual_stages < 1 or (
+        len(p.cell_tpl) % p.virtual_stages):
+      raise ValueError(f'PipeliningLayer {self.path!r}: virtual_stages={p.virtual_stages!r} must '
+                       f'be a positive int dividing the {len(p.cell_tpl)} cells of cell_tpl.')
+    # Checks the schedule's name and chunks per device; its placement of chunks on devices.
+    self._placement = schedule_lib.Schedule(p.schedule, self.num_stages, 1,
+                                            p.virtual_stages).placement
     if p.micro_batch_size is not None and p.num_micro_batches != 1:
       raise ValueError(f'Set num_micro_batches ({p.num_micro_batches}) or micro_batch_size '
                        f'({p.micro_batch_size}), not both.')
     if not isinstance(p.num_replicas, int) or p.num_replicas < 1:
       raise ValueError(f'num_replicas must be a positive int, got {p.num_replicas!r}.')
-    self._devices = devices_lib.StageDevices(len(p.cell_tpl), p.devices, p.allow_device_reuse,
+    self._devices = devices_lib.StageDevices(self.num_stages, p.devices, p.allow_device_reuse,
                                              p.num_replicas)
     self.CreateChildren('before', p.before_tpl, devices=[self._devices[0]] * len(p.before_tpl))
     self.CreateChildren('cell', p.cell_tpl, devices=self.ReplicaDevices(0))
-    self._cell_steps = [[_CellSteps(self, k, device) for k, device in
-                         enumerate(self.ReplicaDevices(r))] for r in range(p.num_replicas)]
+    self._cell_functions = [[executor.CellFunctions(self, c, device) for c, device in
+                             enumerate(self.ReplicaDevices(r))] for r in range(p.num_replicas)]
+    self._clocks = executor.DeviceClocks(self._devices[:self.num_stages])
 
   @property
   def devices(self):
-    """The device of each stage."""
+    """The device of each stage (replica-major with several replicas)."""
     return list(self._devices)
 
   @property
-  def cell_steps(self):
-    """Per replica and cell, the cell's forward and backward step functions."""
-    return self._cell_steps
+  def placement(self):
+    """The stage (device index) of each chunk."""
+    return list(self._placement)
+
+  @property
+  def cell_functions(self):
+    """Per replica and chunk, the chunk's forward and backward functions."""
+    return self._cell_functions
 
   @property
   def num_replicas(self):
     return self.params.num_replicas
 
   def ReplicaDevices(self, replica):
-    """The stage devices of one replica (replica 0's hold the weights)."""
-    return self._devices[replica * self.num_stages:(replica + 1) * self.num_stages]
+    """The device of each chunk of one replica (replica 0's hold the weights)."""
+    stages = self._devices[replica * self.num_stages:(replica + 1) * self.num_stages]
+    return [stages[k] for k in self._placement]
 
   def ReplicaThetas(self, thetas, replica):
-    """Replica 0's per-stage thetas, copied onto another replica's devices."""
+    """Replica 0's per-chunk thetas, copied onto another replica's devices."""
     if replica == 0:
       return thetas
     copies = []
@@ -562,14 +189,20 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   @property
   def num_stages(self):
+    """K: the devices of one replica."""
+    return self.NumStagesOf(self.params)
+
+  @property
+  def num_chunks(self):
+    """K * v: the cells."""
     return len(self.params.cell_tpl)
 
   # -- the params API (core/pipeline_params.py): how these params hold the layers ------
 
   @classmethod
   def NumStagesOf(cls, p):
-    """K of pipeline params `p`, without building anything."""
-    return len(p.cell_tpl)
+    """K (devices) of pipeline params `p`, without building anything."""
+    return len(p.cell_tpl) // p.virtual_stages
 
   @classmethod
   def LayersAndEnds(cls, p):
@@ -590,6 +223,9 @@ class PipeliningLayer(base_layer.BaseLayer):
       raise ValueError(f'{p.name}: cannot re-cut cells that are not FeatureExtractionLayers.')
     layer_params, _ = cls.LayersAndEnds(p)
     partition.CheckEnds(ends, len(layer_params), p.name)
+    if len(ends) % p.virtual_stages:
+      raise ValueError(f'{p.name}: {len(ends)} cells do not make virtual_stages='
+                       f'{p.virtual_stages} chunks on each device.')
     fetched = [name for c in p.cell_tpl for name in c.act_fetch_layers]
     p.cell_tpl = CellsFromEnds(layer_params, ends, fetched)
 
@@ -622,11 +258,11 @@ class PipeliningLayer(base_layer.BaseLayer):
   def GetSchedule(self, batch_size):
     """The schedule a batch of `batch_size` runs; print it to see it."""
     return schedule_lib.Schedule(self.params.schedule, self.num_stages,
-                                 self.NumMicroBatches(batch_size))
+                                 self.NumMicroBatches(batch_size), self.params.virtual_stages)
 
-  def CellFProp(self, k, theta, args):
-    """Cell k's (output argument tuple, fetched activations) in the fprop dtype."""
-    cell = self.cell[k]
+  def CellFProp(self, c, theta, args):
+    """Chunk c's (output argument tuple, fetched activations) in the fprop dtype."""
+    cell = self.cell[c]
     try:
       if isinstance(cell, FeatureExtractionLayer):
         out, acts = cell.FPropWithActivations(theta, *args)
@@ -634,10 +270,10 @@ class PipeliningLayer(base_layer.BaseLayer):
         out, acts = cell.FProp(theta, *args), py_utils.NestedMap()
     except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
       shapes = [getattr(x, 'shape', x) for x in tf.nest.flatten(args)]
-      source = f'the output of cell {k - 1}' if k else 'the pipeline input'
-      raise ValueError(f'Pipeline cell {k} ({cell.path}) cannot take {source} with shapes '
+      source = f'the output of cell {c - 1}' if c else 'the pipeline input'
+      raise ValueError(f'Pipeline cell {c} ({cell.path}) cannot take {source} with shapes '
                        f'{shapes}: {e}') from e
-    return _CastFloats(_AsArgs(out), self.fprop_dtype), acts
+    return _CastFloats(executor.AsArgs(out), self.fprop_dtype), acts
 
   # -- public entry points --------------------------------------------------------
 
@@ -652,12 +288,14 @@ class PipeliningLayer(base_layer.BaseLayer):
     """
     args = self._Before(theta, inputs)
     num = self.NumMicroBatches(microbatch.BatchSize(args, self.params.batch_dim))
-    thetas = self._StageThetas(theta)
+    thetas = self._ChunkThetas(theta)
     if py_utils.CurrentContext().training:
       outputs, acts = self._DifferentiablePipeline(thetas, args, num)
     else:
-      run = _Replicas(self, thetas, args, num, remat='always', step=0, keep_inputs=False)
-      run.Execute(schedule_lib.Schedule('gpipe', self.num_stages, num).ForwardSteps())
+      run = executor.Replicas(self, thetas, args, num, remat='always', step=0,
+                              keep_inputs=False, tracer=self._Tracer())
+      run.Execute([s.action for s in self.GetSchedule(self._Rows(args)).steps
+                   if s.action.kind == schedule_lib.FORWARD])
       outputs, acts = run.MergedOutputs()
     return self._Result(outputs, acts)
 
@@ -672,37 +310,39 @@ class PipeliningLayer(base_layer.BaseLayer):
         of activations as a second argument) to the loss: a scalar, a Lingvo
         (value, weight) pair (value is a mean over weight items), or a NestedMap
         of such metrics holding 'loss'. 'gpipe' calls it once on the whole
-        batch; '1f1b' calls it on each micro-batch as soon as it leaves the last
-        stage, so the loss must decompose, and every schedule gives the same
-        loss and gradients: (value, weight) pairs merge as sum(value * weight) /
-        sum(weight); a bare scalar must be the sum or the mean of its
-        micro-batch values, which a probe on random outputs tells, else it is
-        refused with a ValueError (metrics.MicroBatchLoss).
+        batch; the other schedules call it on each micro-batch as soon as it
+        leaves the last chunk, so the loss must decompose, and every schedule
+        gives the same loss and gradients: (value, weight) pairs merge as
+        sum(value * weight) / sum(weight); a bare scalar must be the sum or the
+        mean of its micro-batch values, which a probe on random outputs tells,
+        else it is refused with a ValueError (metrics.MicroBatchLoss).
 
     Returns:
       (loss, grads), grads a NestedMap shaped like theta; if loss_fn returns a
       NestedMap, the first value is the NestedMap of merged (value, weight).
     """
-    args, before_tape = self._BeforeWithTape(theta, _AsArgs(inputs))
+    args, before_tape = self._BeforeWithTape(theta, executor.AsArgs(inputs))
     num = self.NumMicroBatches(microbatch.BatchSize(args, self.params.batch_dim))
-    sched = schedule_lib.Schedule(self.params.schedule, self.num_stages, num)
-    run = _Replicas(self, self._StageThetas(theta), args, num, self.params.remat,
-                    self._Step())
+    sched = self.GetSchedule(self._Rows(args))
+    run = executor.Replicas(self, self._ChunkThetas(theta), args, num, self.params.remat,
+                            self._Step(), tracer=self._Tracer())
     metrics = []  # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
-    if self.params.schedule == 'gpipe':
-      run.Execute(sched.ForwardSteps())
-      outputs, acts = run.MergedOutputs()
-      batch_metrics, d_outputs, d_acts = self._LossGradients(
-          loss_fn, outputs, acts, self.ReplicaDevices(0)[-1])
+    micro_loss_fn = None if sched.whole_batch_loss else metrics_lib.MicroBatchLoss(
+        loss_fn, num * self.num_replicas, self.params.batch_dim, self.params.schedule)
+
+    def OnLoss(one, m):
+      if one is None:  # L(*): the whole batch's loss, once over every replica.
+        outputs, acts = run.MergedOutputs()
+        batch_metrics, d_outputs, d_acts = self._LossGradients(loss_fn, outputs, acts)
+        run.SetOutputGradients(d_outputs, d_acts)
+      else:
+        outputs, acts = one.MicroBatchOutputs(m)
+        batch_metrics, d_outputs, d_acts = self._LossGradients(micro_loss_fn, outputs, acts)
+        one.SetMicroBatchOutputGradients(m, d_outputs, d_acts)
       metrics.append(batch_metrics)
-      run.SetOutputGradients(d_outputs, d_acts)
-      run.Execute(sched.BackwardSteps())
-    else:
-      micro_loss_fn = metrics_lib.MicroBatchLoss(loss_fn, num * self.num_replicas,
-                                                 self.params.batch_dim, self.params.schedule)
-      run.SetLossGradFn(lambda one_run, m: metrics.append(
-          self._MicroBatchLossGradients(one_run, micro_loss_fn, m)))
-      run.Execute(sched.steps)
+
+    with tf.device(self.ReplicaDevices(0)[-1]):
+      run.Execute([s.action for s in sched.steps], OnLoss)
     base_layer.ApplyRecordedUpdates(run.updates)
     merged = metrics_lib.MergeMetrics([m for m, _ in metrics])
     # The backward differentiated value * weight of each call: divide by the total weight.
@@ -713,6 +353,15 @@ class PipeliningLayer(base_layer.BaseLayer):
     return (merged if metrics[0][1] else merged.loss[0]), grads
 
   # -- internals -------------------------------------------------------------------
+
+  def _Rows(self, args):
+    """The whole batch's rows, before the replicas split it."""
+    return microbatch.BatchSize(args, self.params.batch_dim)
+
+  def _Tracer(self):
+    """A StepTracer when the context collects step timings, else None."""
+    records = py_utils.CurrentContext().step_stats
+    return None if records is None else executor.StepTracer(records, self._clocks)
 
   def _Step(self):
     """This training pass's step (BaseLayer.TrainingStep), read once for all its cells."""
@@ -725,19 +374,19 @@ class PipeliningLayer(base_layer.BaseLayer):
       outputs = outputs[0]
     return (outputs, acts) if acts else outputs
 
-  def _StageThetas(self, theta):
-    """Each cell's theta as tensors read on that cell's device."""
+  def _ChunkThetas(self, theta):
+    """Each chunk's theta as tensors read on that chunk's device."""
     thetas = []
-    for k, device in enumerate(self.ReplicaDevices(0)):
+    for c, device in enumerate(self.ReplicaDevices(0)):
       with tf.device(device):
-        thetas.append(tf.nest.map_structure(tf.convert_to_tensor, theta.cell[k]))
+        thetas.append(tf.nest.map_structure(tf.convert_to_tensor, theta.cell[c]))
     return thetas
 
   def _Before(self, theta, inputs):
     args = tuple(inputs)
     with tf.device(self._devices[0]):
       for layer, layer_theta in zip(self.before, theta.before):
-        args = _AsArgs(layer.FProp(layer_theta, *args))
+        args = executor.AsArgs(layer.FProp(layer_theta, *args))
     return args
 
   def _BeforeWithTape(self, theta, args):
@@ -760,10 +409,10 @@ class PipeliningLayer(base_layer.BaseLayer):
                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return tf.nest.pack_sequence_as(theta.before, grads)
 
-  def _LossGradients(self, loss_fn, outputs, acts, device):
+  def _LossGradients(self, loss_fn, outputs, acts):
     """loss_fn's metrics and the gradients of value * weight of their loss."""
-    floats = [x for x in tf.nest.flatten((outputs, acts)) if _IsFloatTensor(x)]
-    with tf.device(device), tf.GradientTape() as tape:
+    floats = [x for x in tf.nest.flatten((outputs, acts)) if executor.IsFloatTensor(x)]
+    with tf.GradientTape() as tape:
       tape.watch(floats)
       result = self._Result(outputs, acts)
       value = loss_fn(*result) if acts else loss_fn(result)
@@ -773,28 +422,20 @@ class PipeliningLayer(base_layer.BaseLayer):
     grads = iter(tape.gradient(weighted, floats,
                                unconnected_gradients=tf.UnconnectedGradients.ZERO))
     d_outputs, d_acts = tf.nest.map_structure(
-        lambda x: next(grads) if _IsFloatTensor(x) else None, (outputs, acts))
+        lambda x: next(grads) if executor.IsFloatTensor(x) else None, (outputs, acts))
     return (metrics, isinstance(value, dict)), d_outputs, d_acts
 
-  def _MicroBatchLossGradients(self, run, loss_fn, m):
-    """1F1B: micro-batch m's loss; its gradients become the backward's inputs."""
-    acts = py_utils.NestedMap()
-    for k in range(self.num_stages):
-      acts.update(run.acts[(m, k)])
-    metrics, d_outputs, d_acts = self._LossGradients(loss_fn, run.outputs[m], acts,
-                                                     run.devices[-1])
-    run.out_grads[(m, self.num_stages - 1)] = d_outputs
-    for k in range(self.num_stages):
-      run.act_grads[(m, k)] = py_utils.NestedMap({n: d_acts[n] for n in run.acts[(m, k)]})
-    return metrics
-
   def _DifferentiablePipeline(self, thetas, args, num):
-    """The training forward, with the pipelined backward as its custom gradient."""
-    if self.params.schedule != 'gpipe':
-      raise ValueError(f"FProp under a gradient tape runs the 'gpipe' schedule; with "
+    """The training forward, with the pipelined backward as its custom gradient: the
+    schedule's actions before its whole-batch loss L(*), then, in the gradient, after it."""
+    sched = self.GetSchedule(self._Rows(args))
+    if not sched.whole_batch_loss:
+      raise ValueError(f"FProp under a gradient tape runs fill-drain ('gpipe'); with "
                        f"schedule={self.params.schedule!r} use ForwardBackward.")
-    sched = schedule_lib.Schedule('gpipe', self.num_stages, num)
+    actions = [s.action for s in sched.steps]
+    loss_at = next(i for i, a in enumerate(actions) if a.kind == schedule_lib.LOSS)
     step = self._Step()
+    tracer = self._Tracer()
     flat_theta, flat_args = tf.nest.flatten(thetas), tf.nest.flatten(args)
     arg_pos = [i for i, x in enumerate(flat_args) if isinstance(x, tf.Tensor)]
     box = {}
@@ -803,10 +444,11 @@ class PipeliningLayer(base_layer.BaseLayer):
     def Pipeline(*tensors):
       # stop_gradient: the caller's tape must not record (and keep) cell internals.
       stopped = [tf.stop_gradient(x) for x in tensors]
-      run_args = _Replaced(flat_args, arg_pos, stopped[len(flat_theta):])
-      run = _Replicas(self, tf.nest.pack_sequence_as(thetas, stopped[:len(flat_theta)]),
-                      tf.nest.pack_sequence_as(args, run_args), num, self.params.remat, step)
-      run.Execute(sched.ForwardSteps())
+      run_args = executor.Replaced(flat_args, arg_pos, stopped[len(flat_theta):])
+      run = executor.Replicas(self, tf.nest.pack_sequence_as(thetas, stopped[:len(flat_theta)]),
+                              tf.nest.pack_sequence_as(args, run_args), num, self.params.remat,
+                              step, tracer=tracer)
+      run.Execute(actions[:loss_at])
       structure = run.MergedOutputs()
       flat_out = tf.nest.flatten(structure)
       out_pos = [i for i, x in enumerate(flat_out) if isinstance(x, tf.Tensor)]
@@ -814,9 +456,9 @@ class PipeliningLayer(base_layer.BaseLayer):
 
       def Grad(*d_tensors):
         d_out = tf.nest.pack_sequence_as(
-            structure, _Replaced([None] * len(flat_out), out_pos, d_tensors))
+            structure, executor.Replaced([None] * len(flat_out), out_pos, d_tensors))
         run.SetOutputGradients(*d_out)
-        run.Execute(sched.BackwardSteps())
+        run.Execute(actions[loss_at + 1:])
         d_args = tf.nest.flatten(run.MergedInputGradients())
         return tf.nest.flatten(run.theta_grads) + [d_args[i] for i in arg_pos]
 
@@ -824,16 +466,8 @@ class PipeliningLayer(base_layer.BaseLayer):
 
     out_tensors = Pipeline(*flat_theta, *[flat_args[i] for i in arg_pos])
     base_layer.ApplyRecordedUpdates(box['run'].updates)
-    flat_out = _Replaced(box['flat_out'], box['out_pos'], out_tensors)
+    flat_out = executor.Replaced(box['flat_out'], box['out_pos'], out_tensors)
     return tf.nest.pack_sequence_as(box['structure'], flat_out)
-
-
-def _Replaced(values, positions, replacements):
-  """A copy of `values` with values[positions[i]] = replacements[i]."""
-  values = list(values)
-  for i, x in zip(positions, replacements):
-    values[i] = x
-  return values
 
 
 # -- partitioning ------------------------------------------------------------------

@@ -426,8 +426,9 @@ class _GPipeStack(gpipe.PipeliningLayer):
 
   @classmethod
   def NumStagesOf(cls, p):
-    return len(p.cell_tpl) if p.cell_tpl else (
+    cells = len(p.cell_tpl) if p.cell_tpl else (
         p.splits if isinstance(p.splits, int) else len(p.splits))
+    return cells // p.virtual_stages
 
   @classmethod
   def LayersAndEnds(cls, p):

@@ -1,9 +1,10 @@
 """Pipeline statistics of a real run: busy and idle time per stage, the measured bubble, traces.
 
 Under `py_utils.Context(step_stats=records)` a PipeliningLayer appends one
-record per schedule step it runs: replica, stage, kind ('F' or 'B'),
-micro_batch, and tf.timestamp() seconds start (inputs ready), end (outputs
-exist) and, for a re-materialized backward, recompute_end. This module turns
+record per schedule action it runs (executor.StepTracer): replica, stage (the
+device), chunk, kind ('F', 'B', 'W' or 'BW'), micro_batch, and tf.timestamp()
+seconds start (inputs ready), end (outputs exist) and, for a re-materialized
+backward, recompute_end. This module turns
 the records into numbers and pictures:
 
   records = []
@@ -19,14 +20,14 @@ called many times, StackTimes(records), with the traced records as metadata).
 
 What is measured, so it compares with schedule.py and the simulator like with
 like: a device is one (replica, stage); its busy time is the union of its
-steps' [start, end] intervals, split into forward, recompute (start to
-recompute_end) and backward; the step window runs from the first start to the
+actions' [start, end] intervals, split into forward, recompute (start to
+recompute_end) and backward (B, W and BW); the step window runs from the first start to the
 last end; idle = window - busy, and the bubble fraction is the idle share of
 devices x window, as schedule.Schedule.BubbleFraction and
 simulator.Prediction.bubble_fraction define it. Besides the unit-cost theory
 ((K-1)/(M+K-1) for fill-drain) the summary simulates the schedule with this
-run's own median forward and backward time per stage and median hand-over
-time per boundary: the bubble the schedule implies for these costs, so the gap
+run's own median F, B, W and BW time per chunk and median hand-over time per
+chunk boundary: the bubble the schedule implies for these costs, so the gap
 to the measured bubble is what the runtime adds beyond them (dispatch, devices
 sharing cores).
 """
@@ -40,7 +41,9 @@ import tensorflow as tf
 from lingvo_gpipe.core import schedule as schedule_lib
 from lingvo_gpipe.core import simulator
 
-_PASS_NAMES = {'F': 'forward', 'R': 'recompute', 'B': 'backward'}
+_PASS_NAMES = {'F': 'forward', 'R': 'recompute', 'B': 'input gradient', 'W': 'weight gradient',
+               'BW': 'backward'}
+_KINDS = ('F', 'B', 'W', 'BW')  # Indexed by simulator.FORWARD.. BACKWARD.
 
 
 def _Python(value):
@@ -62,14 +65,16 @@ def StackTimes(records):
 
 @dataclasses.dataclass
 class Timeline:
-  """Steps of one pipelined run as parallel numpy arrays (times in seconds).
+  """Actions of one pipelined run as parallel numpy arrays (times in seconds).
 
-  replica, stage, micro_batch: int arrays; backward: bool; start, end,
-  recompute_end: float64 (recompute_end NaN where the step recomputed nothing).
+  replica, stage (device), chunk, micro_batch: int arrays; kind: int array of
+  simulator.FORWARD.. BACKWARD; start, end, recompute_end: float64
+  (recompute_end NaN where the action recomputed nothing).
   """
   replica: np.ndarray
   stage: np.ndarray
-  backward: np.ndarray
+  chunk: np.ndarray
+  kind: np.ndarray
   micro_batch: np.ndarray
   start: np.ndarray
   end: np.ndarray
@@ -77,7 +82,7 @@ class Timeline:
 
   @classmethod
   def FromRecords(cls, records, times=None):
-    """From step records; `times` ([N, 3], see StackTimes) replaces their timestamps."""
+    """From action records; `times` ([N, 3], see StackTimes) replaces their timestamps."""
     if not records:
       raise ValueError('No step records: run the pipeline under '
                        'py_utils.Context(step_stats=records) first.')
@@ -90,27 +95,46 @@ class Timeline:
     if np.isnan(times[:, :2]).any():
       raise ValueError('A step record has no start or end time.')
     kinds = [_Python(r['kind']) for r in records]
-    unknown = sorted(set(kinds) - {schedule_lib.FORWARD, schedule_lib.BACKWARD})
+    unknown = sorted(set(kinds) - set(_KINDS))
     if unknown:
-      raise ValueError(f'Unknown step kinds {unknown}; expected F or B.')
+      raise ValueError(f'Unknown action kinds {unknown}; expected one of {list(_KINDS)}.')
+    stage = np.array([_Python(r['stage']) for r in records], np.int64)
     return cls(replica=np.array([_Python(r.get('replica', 0)) for r in records], np.int64),
-               stage=np.array([_Python(r['stage']) for r in records], np.int64),
-               backward=np.array([k == schedule_lib.BACKWARD for k in kinds]),
+               stage=stage,
+               chunk=np.array([_Python(r.get('chunk', s)) for r, s in zip(records, stage)],
+                              np.int64),
+               kind=np.array([_KINDS.index(k) for k in kinds], np.int64),
                micro_batch=np.array([_Python(r['micro_batch']) for r in records], np.int64),
                start=times[:, 0], end=times[:, 1], recompute_end=times[:, 2])
 
   @classmethod
   def FromPrediction(cls, prediction):
-    """The steps of a simulator.Prediction, to trace a planned pipeline like a measured one."""
-    kind, stage, micro_batch = np.nonzero(~np.isnan(prediction.end))
-    return cls(replica=np.zeros_like(stage), stage=stage, backward=kind == simulator.BACKWARD,
-               micro_batch=micro_batch, start=prediction.start[kind, stage, micro_batch],
-               end=prediction.end[kind, stage, micro_batch],
-               recompute_end=np.full(stage.shape, np.nan))
+    """The actions of a simulator.Prediction, to trace a planned pipeline like a measured one."""
+    kind, chunk, micro_batch = np.nonzero(~np.isnan(prediction.end))
+    order = np.argsort(prediction.start[kind, chunk, micro_batch], kind='stable')
+    kind, chunk, micro_batch = kind[order], chunk[order], micro_batch[order]
+    return cls(replica=np.zeros_like(chunk), stage=np.asarray(prediction.placement)[chunk],
+               chunk=chunk, kind=kind, micro_batch=micro_batch,
+               start=prediction.start[kind, chunk, micro_batch],
+               end=prediction.end[kind, chunk, micro_batch],
+               recompute_end=np.full(chunk.shape, np.nan))
+
+  @property
+  def backward(self):
+    """Whether each action is a backward one (B, W or BW)."""
+    return self.kind != simulator.FORWARD
 
   @property
   def num_stages(self):
     return int(self.stage.max()) + 1
+
+  @property
+  def num_chunks(self):
+    return int(self.chunk.max()) + 1
+
+  @property
+  def virtual_stages(self):
+    return self.num_chunks // self.num_stages
 
   @property
   def num_micro_batches(self):
@@ -121,52 +145,69 @@ class Timeline:
     return int(self.replica.max()) + 1
 
   def Devices(self):
-    """The (replica, stage) pairs that ran steps, sorted."""
+    """The (replica, stage) pairs that ran actions, sorted."""
     return sorted(set(zip(self.replica.tolist(), self.stage.tolist())))
 
+  def Placement(self):
+    """The device of each chunk."""
+    placement = np.zeros(self.num_chunks, np.int64)
+    placement[self.chunk] = self.stage
+    return placement
+
   def Schedule(self):
-    """The schedule.py schedule whose per-stage orders the steps ran in (record order)."""
+    """The schedule.py schedule whose per-device orders the actions ran in (record order)."""
     runs = {}
-    for replica, stage, b, m in zip(self.replica.tolist(), self.stage.tolist(),
-                                    self.backward.tolist(), self.micro_batch.tolist()):
-      runs.setdefault((replica, stage), []).append((m, b))
+    for replica, stage, kind, m, c in zip(self.replica.tolist(), self.stage.tolist(),
+                                          self.kind.tolist(), self.micro_batch.tolist(),
+                                          self.chunk.tolist()):
+      runs.setdefault((replica, stage), []).append((kind, m, c))
     for name in schedule_lib.SCHEDULE_NAMES:
-      orders = simulator.Orders(name, self.num_stages, self.num_micro_batches)
-      expected = [list(zip(orders.micro_batch[k].tolist(), orders.backward[k].tolist()))
-                  for k in range(self.num_stages)]
+      try:
+        orders = simulator.Orders(name, self.num_stages, self.num_micro_batches,
+                                  self.virtual_stages)
+      except ValueError:  # Another number of chunks per device.
+        continue
+      expected = [list(zip(orders.kind[k, :n].tolist(), orders.micro_batch[k, :n].tolist(),
+                           orders.chunk[k, :n].tolist()))
+                  for k, n in enumerate(orders.length)]
       if all(run == expected[stage] for (_, stage), run in runs.items()):
         return name
-    raise ValueError(f'The steps ran in no known schedule order '
+    raise ValueError(f'The actions ran in no known schedule order '
                      f'({list(schedule_lib.SCHEDULE_NAMES)}); per device: {runs}.')
 
-  def StageCosts(self):
-    """(forward, backward) [K] median step durations per stage, over replicas and micro-batches."""
+  def ChunkCosts(self):
+    """[4, C] median duration of each action kind (simulator.FORWARD.. BACKWARD) per chunk,
+    over replicas and micro-batches; 0 where a kind did not run."""
     duration = self.end - self.start
-    costs = np.zeros((2, self.num_stages))
-    for k in range(self.num_stages):
-      for b in (0, 1):
-        steps = duration[(self.stage == k) & (self.backward == bool(b))]
-        costs[b, k] = np.median(steps) if steps.size else 0.0
-    return costs[0], costs[1]
+    costs = np.zeros((4, self.num_chunks))
+    for kind in range(4):
+      for c in range(self.num_chunks):
+        steps = duration[(self.chunk == c) & (self.kind == kind)]
+        costs[kind, c] = np.median(steps) if steps.size else 0.0
+    return costs
 
   def HandOverTimes(self):
-    """[K-1] median seconds per stage boundary from a step's end until the neighbour's step that
-    waited for its output started (F(m, k) -> F(m, k+1), B(m, k+1) -> B(m, k)); 0 where no
-    step waited. Only steps whose device was idle count: a busy neighbour hides the hand-over."""
-    step = {key: i for i, key in enumerate(zip(self.replica.tolist(), self.stage.tolist(),
-                                                self.backward.tolist(),
-                                                self.micro_batch.tolist()))}
+    """[C-1] median seconds per chunk boundary from an action's end until the action on
+    another device that waited for its output started (F(m, c) -> F(m, c+1), B or BW(m, c+1)
+    -> B or BW(m, c)); 0 where none waited. Only actions whose device was idle count: a busy
+    device hides the hand-over."""
+    passes = np.where(self.kind == simulator.FORWARD, 0,
+                      np.where(self.kind == simulator.WEIGHT_GRAD, -1, 1))
+    step = {key: i for i, key in enumerate(zip(self.replica.tolist(), self.chunk.tolist(),
+                                                passes.tolist(), self.micro_batch.tolist()))
+            if key[2] >= 0}
     previous_end = np.full(self.start.shape, -np.inf)
     for replica, stage in self.Devices():
       mine = np.flatnonzero((self.replica == replica) & (self.stage == stage))
       mine = mine[np.argsort(self.start[mine], kind='stable')]
       previous_end[mine[1:]] = self.end[mine[:-1]]
-    samples = [[] for _ in range(max(self.num_stages - 1, 0))]
-    for (replica, stage, backward, m), i in step.items():
-      source = stage + 1 if backward else stage - 1
+    samples = [[] for _ in range(max(self.num_chunks - 1, 0))]
+    for (replica, chunk, backward, m), i in step.items():
+      source = chunk + 1 if backward else chunk - 1
       producer = step.get((replica, source, backward, m))
-      if producer is not None and previous_end[i] < self.end[producer]:
-        samples[min(stage, source)].append(max(self.start[i] - self.end[producer], 0.0))
+      if (producer is not None and self.stage[producer] != self.stage[i] and
+          previous_end[i] < self.end[producer]):
+        samples[min(chunk, source)].append(max(self.start[i] - self.end[producer], 0.0))
     return np.array([np.median(s) if s else 0.0 for s in samples])
 
 
@@ -249,15 +290,16 @@ def Summarize(timeline, schedule=None):
         backward=float(np.sum(timeline.end[bwd] - timeline.start[bwd])) - recompute,
         busy=busy, idle=window - busy))
   idle = sum(d.idle for d in devices)
-  orders = simulator.Orders(schedule, timeline.num_stages, timeline.num_micro_batches)
-  forward, backward = timeline.StageCosts()
+  sizes = (timeline.num_stages, timeline.num_micro_batches, timeline.virtual_stages)
+  forward, input_grad, weight_grad, backward = timeline.ChunkCosts()
   return Summary(
       schedule=schedule, num_stages=timeline.num_stages,
       num_micro_batches=timeline.num_micro_batches, num_replicas=timeline.num_replicas,
       step_time=window, bubble_fraction=idle / (len(devices) * window) if window > 0 else 0.0,
-      theoretical_bubble=simulator.Simulate(orders).bubble_fraction,
+      theoretical_bubble=schedule_lib.Schedule(schedule, *sizes).BubbleFraction(),
       simulated_bubble=simulator.Simulate(
-          orders, forward, backward, timeline.HandOverTimes()).bubble_fraction,
+          simulator.Orders(schedule, *sizes), forward, backward, timeline.HandOverTimes(),
+          input_grad_cost=input_grad, weight_grad_cost=weight_grad).bubble_fraction,
       devices=devices)
 
 
@@ -265,8 +307,9 @@ def ChromeTrace(timeline, device_names=None):
   """The timeline as Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev).
 
   One process per replica, one thread (track) per device, one complete event
-  per cell x micro-batch x pass: F (forward), R (recompute) and B (backward);
-  times in microseconds from the first start.
+  per action: F (forward), R (recompute), B (input gradient), W (weight
+  gradient), BW (fused backward), named with the micro-batch (and the chunk
+  when a device holds several); times in microseconds from the first start.
 
   Args:
     timeline: a Timeline.
@@ -285,21 +328,21 @@ def ChromeTrace(timeline, device_names=None):
                        args=dict(sort_index=stage)))
 
   def Span(i, kind, start, end):
-    m, k = int(timeline.micro_batch[i]), int(timeline.stage[i])
-    events.append(dict(ph='X', name=f'{kind}{m}', cat=_PASS_NAMES[kind],
-                       pid=int(timeline.replica[i]), tid=k, ts=(start - t0) * 1e6,
-                       dur=(end - start) * 1e6,
-                       args={'cell': k, 'micro_batch': m, 'pass': _PASS_NAMES[kind]}))
+    m, c = int(timeline.micro_batch[i]), int(timeline.chunk[i])
+    name = f'{kind}{m}' + (f'.{c}' if timeline.virtual_stages > 1 else '')
+    events.append(dict(ph='X', name=name, cat=_PASS_NAMES[kind],
+                       pid=int(timeline.replica[i]), tid=int(timeline.stage[i]),
+                       ts=(start - t0) * 1e6, dur=(end - start) * 1e6,
+                       args={'cell': c, 'micro_batch': m, 'pass': _PASS_NAMES[kind]}))
 
   for i in np.argsort(timeline.start, kind='stable'):
     start, end, recomputed = timeline.start[i], timeline.end[i], timeline.recompute_end[i]
-    if not timeline.backward[i]:
-      Span(i, 'F', start, end)
-    elif np.isnan(recomputed):
-      Span(i, 'B', start, end)
+    kind = _KINDS[timeline.kind[i]]
+    if np.isnan(recomputed):
+      Span(i, kind, start, end)
     else:
       Span(i, 'R', start, recomputed)
-      Span(i, 'B', recomputed, end)
+      Span(i, kind, recomputed, end)
   return dict(traceEvents=events, displayTimeUnit='ms')
 
 

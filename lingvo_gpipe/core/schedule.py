@@ -1,171 +1,485 @@
-"""Pipeline schedules as data: which stage runs which micro-batch's pass, and when.
+"""Pipeline schedules as data: an ordered list of actions per device.
 
-A schedule is defined by the order in which each stage works through its steps
-(forward F and backward B of each micro-batch). Clocks follow from that order and
-the dependencies (F(m, k) after F(m, k-1); B(m, k) after B(m, k+1)) by simulating
-unit-cost steps. The TensorFlow executor in gpipe.py runs exactly these steps, in
-this order per stage, so the printed schedule is the one that runs.
+An action is one step of one micro-batch m on one chunk c (a cell of the
+pipeline; with v virtual stages, K devices hold K * v chunks):
+
+  F(m, c)   forward of chunk c;
+  B(m, c)   the input gradient of chunk c: what the chunk before it waits for;
+  W(m, c)   the weight gradient of chunk c, which nobody waits for (zero-bubble
+            schedules use it to fill the bubbles);
+  BW(m, c)  B and W fused, for schedules that do not split them;
+  L(m)      the loss of micro-batch m on the last chunk's device, and its
+            gradient; L(*) (micro_batch ALL) is the loss of the whole batch,
+            after every forward (fill-drain).
+
+Each device runs its own list in order; an action also waits for its data
+(F(m, c) for F(m, c-1), B(m, c) for B(m, c+1) or the loss, W(m, c) for B(m, c)).
+CheckOrders proves a set of orders complete and free of deadlocks before
+anything runs, and unit costs (F, B, W one unit, BW two, L none) give every
+action a clock: the printed grid is the order that runs, and BubbleFraction the
+idle share of devices x makespan. The executor (core/executor.py) runs exactly
+these actions; the simulator times them with measured costs.
+
+Schedules: 'gpipe' (fill-drain), '1f1b', 'interleaved_1f1b' (v chunks per
+device, placed round-robin), 'zb_h1' and 'zb_h2' (zero bubble, Qi et al. 2024:
+W fills the bubbles, with 1F1B's memory or about twice it), 'zbv' (two chunks
+per device in a V, zero bubble at 1F1B's memory). A schedule round-trips
+through text (ToText / FromText), so a user can also write their own.
 
 No TensorFlow here: schedules are tested in milliseconds and shared by the
 runtime, the simulator and the planner.
 """
 
 import collections
+import re
 
-FORWARD = 'F'
-BACKWARD = 'B'
+FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD, LOSS = 'F', 'B', 'W', 'BW', 'L'
+KINDS = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD, LOSS)
+ALL = -1  # The micro_batch of a whole-batch loss L(*).
+UNIT_COSTS = {FORWARD: 1, INPUT_GRAD: 1, WEIGHT_GRAD: 1, BACKWARD: 2, LOSS: 0}
 
-Step = collections.namedtuple('Step', ['clock', 'stage', 'micro_batch', 'kind'])
-Step.__doc__ = 'One pass of one micro-batch through one stage, starting at `clock`.'
+Action = collections.namedtuple('Action', ['kind', 'micro_batch', 'chunk'])
+Action.__doc__ = 'One step (a KINDS letter) of a micro-batch (or ALL) on a chunk.'
 
-
-def FillDrainOrder(num_stages, num_micro_batches):
-  """GPipe: every stage runs all forwards, then all backwards in reverse."""
-  m = num_micro_batches
-  order = [(i, FORWARD) for i in range(m)] + [(i, BACKWARD) for i in reversed(range(m))]
-  return [list(order) for _ in range(num_stages)]
+Step = collections.namedtuple('Step', ['clock', 'stage', 'action'])
+Step.__doc__ = 'An action on device `stage`, starting at `clock` of the unit-cost run.'
 
 
-def OneFOneBOrder(num_stages, num_micro_batches):
-  """1F1B: after K-1-k warm-up forwards, stage k alternates forward and backward.
+def _ActionText(a):
+  m = '*' if a.micro_batch == ALL else a.micro_batch
+  return f'{a.kind}{m}@{a.chunk}'
 
-  A stage never holds more than K - k micro-batches between their forward and
-  backward, so activation memory is bounded by K instead of M.
-  """
+
+# -- the schedules' orders ------------------------------------------------------------------
+
+
+def _Placement(name, num_stages, virtual_stages):
+  """Device of each chunk: round-robin, or a V (chunk c and 2K-1-c share a device)."""
+  if name == 'zbv':
+    return list(range(num_stages)) + list(reversed(range(num_stages)))
+  return [c % num_stages for c in range(num_stages * virtual_stages)]
+
+
+def _FillDrain(num_stages, num_micro_batches, placement):
+  """GPipe: every device runs all forwards, the loss of the whole batch, all backwards."""
+  last = len(placement) - 1
   orders = []
   for k in range(num_stages):
-    warmup = min(num_stages - 1 - k, num_micro_batches)
-    order = [(i, FORWARD) for i in range(warmup)]
-    for i in range(num_micro_batches - warmup):
-      order += [(warmup + i, FORWARD), (i, BACKWARD)]
-    order += [(i, BACKWARD) for i in range(num_micro_batches - warmup, num_micro_batches)]
+    order = [Action(FORWARD, m, k) for m in range(num_micro_batches)]
+    if k == last:
+      order.append(Action(LOSS, ALL, last))
+    order += [Action(BACKWARD, m, k) for m in reversed(range(num_micro_batches))]
     orders.append(order)
   return orders
 
 
-_ORDERS = {'gpipe': FillDrainOrder, '1f1b': OneFOneBOrder}
-SCHEDULE_NAMES = tuple(_ORDERS)
+def _InterleavedChunks(num_stages, num_micro_batches, virtual_stages, k, backward):
+  """Device k's (micro-batch, chunk) in Megatron's order: groups of K micro-batches go through
+  one local chunk after the other (the last chunk first for backwards)."""
+  out = []
+  for start in range(0, num_micro_batches, num_stages):
+    group = range(start, min(start + num_stages, num_micro_batches))
+    local = range(virtual_stages)
+    for j in (reversed(local) if backward else local):
+      out += [(m, j * num_stages + k) for m in group]
+  return out
 
 
-def _Dependency(step, num_stages):
-  """The step on another stage that must finish before `step` can start."""
-  (m, kind), k = step
+def _OneFOneB(num_stages, num_micro_batches, virtual_stages, placement):
+  """1F1B, interleaved over v chunks per device (v = 1: plain 1F1B).
+
+  Device k first runs its warm-up forwards, (K - k - 1) * 2 + (v - 1) * K as
+  Megatron's interleaved schedule does (K - k - 1 for v = 1), then alternates a
+  forward and a backward, then runs the remaining backwards. A micro-batch's
+  loss follows its forward on the last chunk.
+  """
+  last = len(placement) - 1
+  orders = []
+  for k in range(num_stages):
+    forwards = _InterleavedChunks(num_stages, num_micro_batches, virtual_stages, k, False)
+    backwards = _InterleavedChunks(num_stages, num_micro_batches, virtual_stages, k, True)
+    warmup = (num_stages - k - 1) if virtual_stages == 1 else (
+        (num_stages - k - 1) * 2 + (virtual_stages - 1) * num_stages)
+    warmup = min(warmup, len(forwards))
+    steps = [(FORWARD, x) for x in forwards[:warmup]]
+    for i, x in enumerate(forwards[warmup:]):
+      steps += [(FORWARD, x), (BACKWARD, backwards[i])]
+    steps += [(BACKWARD, x) for x in backwards[len(forwards) - warmup:]]
+    order = []
+    for kind, (m, c) in steps:
+      order.append(Action(kind, m, c))
+      if kind == FORWARD and c == last:
+        order.append(Action(LOSS, m, last))
+    orders.append(order)
+  return orders
+
+
+class _ZeroBubble:
+  """Orders of a greedy unit-time run, the zero-bubble heuristic.
+
+  At each time, a free device first takes a ready B (the device before it
+  waits for it), else a ready F while it holds fewer than limits[k] micro-batch
+  chunks' activations (forwarded, input gradient not yet taken) and fewer than
+  `cap` pending Ws, else its oldest pending W: Ws fill the bubbles. Among ready
+  Fs the deepest chunk goes first. The limits set the activation memory (1F1B's
+  for ZB-H1 and ZB-V, about twice it for ZB-H2); the cap bounds what pending Ws
+  hold, so neither grows with M.
+  """
+
+  def __init__(self, num_stages, num_micro_batches, placement, limits, cap):
+    self._m = num_micro_batches
+    self._last = len(placement) - 1
+    self._limits = limits
+    self._cap = cap
+    self._chunks = [sorted((c for c in range(len(placement)) if placement[c] == k), reverse=True)
+                    for k in range(num_stages)]
+    self._done = {}  # (kind, m, c) -> unit time it ends.
+    self._held = [0] * num_stages
+    self._pending_w = [collections.deque() for _ in range(num_stages)]
+    self._next_f = {c: 0 for c in range(len(placement))}  # Next micro-batch of each chunk.
+    self._next_b = dict(self._next_f)
+    self._free_at = [0] * num_stages
+    self.orders = [[] for _ in range(num_stages)]
+
+  def _By(self, key, t):
+    return key in self._done and self._done[key] <= t
+
+  def _Next(self, k, t):
+    """The action device k starts at time t, or None."""
+    for c in self._chunks[k]:
+      m = self._next_b[c]  # Bs of a chunk become ready in micro-batch order, as its Fs.
+      upstream = (LOSS, m, c) if c == self._last else (INPUT_GRAD, m, c + 1)
+      if m < self._m and self._By((FORWARD, m, c), t) and self._By(upstream, t):
+        return Action(INPUT_GRAD, m, c)
+    if self._held[k] < self._limits[k] and len(self._pending_w[k]) < self._cap:
+      for c in self._chunks[k]:
+        m = self._next_f[c]
+        if m < self._m and (c == 0 or self._By((FORWARD, m, c - 1), t)):
+          return Action(FORWARD, m, c)
+    return self._pending_w[k].popleft() if self._pending_w[k] else None
+
+  def _Start(self, k, action, t):
+    self.orders[k].append(action)
+    end = t + UNIT_COSTS[action.kind]
+    for key in _Keys(action):
+      self._done[key] = end
+    self._free_at[k] = end
+    if action.kind == FORWARD:
+      self._held[k] += 1
+      self._next_f[action.chunk] += 1
+      if action.chunk == self._last:
+        self.orders[k].append(Action(LOSS, action.micro_batch, self._last))
+        self._done[(LOSS, action.micro_batch, self._last)] = end
+    elif action.kind == INPUT_GRAD:
+      self._held[k] -= 1
+      self._next_b[action.chunk] += 1
+      self._pending_w[k].append(Action(WEIGHT_GRAD, action.micro_batch, action.chunk))
+
+  def Run(self):
+    left = 3 * self._m * (self._last + 1)  # F, B and W of every micro-batch chunk.
+    t = idle_since = 0
+    while left:
+      for k in range(len(self.orders)):
+        action = self._Next(k, t) if self._free_at[k] <= t else None
+        if action:
+          self._Start(k, action, t)
+          left -= 1
+          idle_since = t
+      if t - idle_since > 2:  # Nothing ran or runs: the limits leave no action ready.
+        raise ValueError(f'Zero-bubble limits {self._limits} deadlock at time {t}.')
+      t += 1
+    return self.orders
+
+
+def _Orders(name, num_stages, num_micro_batches, virtual_stages, placement):
+  if name == 'gpipe':
+    return _FillDrain(num_stages, num_micro_batches, placement)
+  if name in ('1f1b', 'interleaved_1f1b'):
+    return _OneFOneB(num_stages, num_micro_batches, virtual_stages, placement)
+  k = range(num_stages)
+  limits = {'zb_h1': [num_stages - i for i in k],  # 1F1B's activations per device.
+            'zb_h2': [2 * (num_stages - i) - 1 for i in k],
+            'zbv': [2 * num_stages for _ in k]}[name]  # Half-size chunks: 1F1B's first device.
+  return _ZeroBubble(num_stages, num_micro_batches, placement, limits, num_stages).Run()
+
+
+# Schedule name -> the virtual stages it runs (None: any v >= 1).
+_VIRTUAL_STAGES = {'gpipe': 1, '1f1b': 1, 'interleaved_1f1b': None, 'zb_h1': 1, 'zb_h2': 1,
+                   'zbv': 2}
+SCHEDULE_NAMES = tuple(_VIRTUAL_STAGES)
+# Schedules whose loss is the whole batch's (the others call it per micro-batch).
+WHOLE_BATCH_LOSS = ('gpipe',)
+
+
+# -- checking and timing orders ----------------------------------------------------------------
+
+
+def _Needs(action, num_chunks):
+  """The keys (kind, micro-batch, chunk) whose ends `action` waits for, besides its device."""
+  kind, m, c = action
   if kind == FORWARD:
-    return ((m, FORWARD), k - 1) if k > 0 else None
-  return ((m, BACKWARD), k + 1) if k + 1 < num_stages else None
+    return [(FORWARD, m, c - 1)] if c > 0 else []
+  if kind == LOSS:
+    return [(FORWARD, m, c)] if m != ALL else [('F*', ALL, c)]
+  if kind == WEIGHT_GRAD:
+    return [(INPUT_GRAD, m, c)]
+  upstream = (INPUT_GRAD, m, c + 1) if c + 1 < num_chunks else (LOSS, m, c)
+  return [(FORWARD, m, c), upstream]
 
 
-def _CheckOrders(orders):
-  """Each stage runs every micro-batch's F once, and its B once, after the F."""
+def _Keys(action):
+  """What finishing `action` makes available: BW counts as its B and its W."""
+  kind, m, c = action
+  if kind == BACKWARD:
+    return [(INPUT_GRAD, m, c), (WEIGHT_GRAD, m, c)]
+  return [(kind, m, c)]
+
+
+def CheckOrders(orders, placement, num_micro_batches):
+  """Raises ValueError unless the orders run every micro-batch's actions once, each on its
+  chunk's device, F before B before W, with the loss on the last chunk's device."""
+  num_chunks = len(placement)
+  last = num_chunks - 1
+  whole = any(a.kind == LOSS and a.micro_batch == ALL for order in orders for a in order)
+  seen = set()
   for k, order in enumerate(orders):
-    forwards = [m for m, kind in order if kind == FORWARD]
-    if sorted(forwards) != sorted(m for m, kind in order if kind == BACKWARD):
-      raise ValueError(f'Stage {k}: forward and backward micro-batches differ: {order}.')
-    if len(set(forwards)) != len(forwards):
-      raise ValueError(f'Stage {k}: a micro-batch runs twice: {order}.')
-    seen = set()
-    for m, kind in order:
-      if kind == BACKWARD and m not in seen:
-        raise ValueError(f'Stage {k}: B{m} comes before F{m}.')
-      seen.add(m)
+    done = set()
+    for a in order:
+      if a.kind not in KINDS or not 0 <= a.chunk < num_chunks or not (
+          0 <= a.micro_batch < num_micro_batches or (a.kind == LOSS and a.micro_batch == ALL)):
+        raise ValueError(f'Device {k}: {_ActionText(a)} is not an action of {num_chunks} '
+                         f'chunks and {num_micro_batches} micro-batches.')
+      if placement[a.chunk] != k:
+        raise ValueError(f'Device {k}: {_ActionText(a)} belongs on device {placement[a.chunk]}.')
+      if a.kind == LOSS and a.chunk != last:
+        raise ValueError(f'Device {k}: {_ActionText(a)}: the loss belongs to the last chunk '
+                         f'({last}).')
+      for key in _Keys(a):
+        if key in seen:
+          raise ValueError(f'Device {k}: {_ActionText(a)} runs twice.')
+        seen.add(key)
+      own = [n for n in _Needs(a, num_chunks) if n[2] == a.chunk and n[0] != LOSS]
+      if a.kind in (INPUT_GRAD, BACKWARD, WEIGHT_GRAD) and not all(n in done for n in own):
+        raise ValueError(f'Device {k}: {_ActionText(a)} comes before '
+                         f'{_ActionText(Action(*own[-1]))} on the same chunk.')
+      done.update(_Keys(a))
+  ms = [ALL] if whole else range(num_micro_batches)
+  expected = {(kind, m, c) for m in range(num_micro_batches) for c in range(num_chunks)
+              for kind in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)} | {(LOSS, m, last) for m in ms}
+  missing = sorted(expected - seen, key=lambda key: (key[1], key[2], key[0]))
+  if missing:
+    names = ' '.join(_ActionText(Action(*key)) for key in missing[:6])
+    raise ValueError(f'The orders never run {names}{" ..." if len(missing) > 6 else ""}.')
+  if len(seen) != len(expected):
+    extra = sorted(seen - expected)
+    raise ValueError(f'The orders run actions that do not belong: {extra[:6]}.')
 
 
-def Simulate(orders, forward_cost=1.0, backward_cost=1.0):
-  """Start and end times of every step when each stage runs its order.
+def Simulate(orders, placement, num_micro_batches, cost=None):
+  """Start and end of every action when each device runs its order.
 
   Args:
-    orders: per stage, the list of (micro_batch, kind) in execution order.
-    forward_cost, backward_cost: step durations; scalars, or callables of
-      (stage, micro_batch) for measured per-stage costs.
+    orders: per device, the list of Actions in execution order (CheckOrders' rules).
+    placement: the device of each chunk.
+    num_micro_batches: M.
+    cost: callable(action) -> duration; default UNIT_COSTS.
 
   Returns:
-    dict ((micro_batch, kind), stage) -> (start, end).
+    dict Action -> (start, end).
 
   Raises:
-    ValueError: if the orders deadlock (a dependency can never be met).
+    ValueError: if the orders deadlock (an action waits for one that never runs).
   """
-  def Cost(kind, k, m):
-    cost = forward_cost if kind == FORWARD else backward_cost
-    return cost(k, m) if callable(cost) else cost
-
-  _CheckOrders(orders)
-  num_stages = len(orders)
+  CheckOrders(orders, placement, num_micro_batches)
+  cost = cost or (lambda a: UNIT_COSTS[a.kind])
+  num_chunks = len(placement)
+  ends = {}
+  forwards_left = {c: num_micro_batches for c in range(num_chunks)}
   times = {}
-  position = [0] * num_stages
-  stage_free = [0.0] * num_stages
-  ready = collections.deque(range(num_stages))
+  position = [0] * len(orders)
+  free = [0.0] * len(orders)
+  ready = collections.deque(range(len(orders)))
   while ready:
     k = ready.popleft()
     while position[k] < len(orders[k]):
-      m, kind = orders[k][position[k]]
-      dep = _Dependency(((m, kind), k), num_stages)
-      if dep is not None and dep not in times:
-        break  # Woken again when the stage holding `dep` advances.
-      start = max(stage_free[k], times[dep][1] if dep else 0.0)
-      end = start + Cost(kind, k, m)
-      times[((m, kind), k)] = (start, end)
-      stage_free[k] = end
+      a = orders[k][position[k]]
+      needs = _Needs(a, num_chunks)
+      if any(n not in ends for n in needs):
+        break  # Woken again when another device advances.
+      start = max([free[k]] + [ends[n] for n in needs])
+      end = start + cost(a)
+      times[a] = (start, end)
+      free[k] = end
       position[k] += 1
-      for other in (k - 1, k + 1):
-        if 0 <= other < num_stages and other not in ready:
+      for key in _Keys(a):
+        ends[key] = end
+      if a.kind == LOSS and a.micro_batch == ALL:  # Every micro-batch's backward may start.
+        ends.update(((LOSS, m, a.chunk), end) for m in range(num_micro_batches))
+      if a.kind == FORWARD:
+        forwards_left[a.chunk] -= 1
+        if not forwards_left[a.chunk]:
+          ends[('F*', ALL, a.chunk)] = max(ends[(FORWARD, m, a.chunk)]
+                                           for m in range(num_micro_batches))
+      for other in range(len(orders)):
+        if other != k and other not in ready:
           ready.append(other)
-  if any(position[k] < len(orders[k]) for k in range(num_stages)):
-    stuck = [orders[k][position[k]] for k in range(num_stages) if position[k] < len(orders[k])]
-    raise ValueError(f'Schedule deadlocks; stages wait on {stuck}.')
+  stuck = [f'device {k} at {_ActionText(orders[k][position[k]])}'
+           for k in range(len(orders)) if position[k] < len(orders[k])]
+  if stuck:
+    raise ValueError(f'The orders deadlock: {", ".join(stuck)} wait forever.')
   return times
 
 
-class Schedule:
-  """An ordered list of Steps for K stages and M micro-batches."""
+def Orders(name, num_stages, num_micro_batches, virtual_stages=1):
+  """(per-device action orders, device of each chunk) of schedule `name`, unchecked: what
+  Schedule checks and runs, and what the simulator takes for sizes Python cannot time."""
+  if name not in _VIRTUAL_STAGES:
+    raise ValueError(f'Unknown schedule {name!r}; expected one of {list(SCHEDULE_NAMES)}.')
+  wanted = _VIRTUAL_STAGES[name]
+  if wanted is not None and virtual_stages != wanted:
+    raise ValueError(f'Schedule {name!r} runs {wanted} chunk(s) per device; got '
+                     f'virtual_stages={virtual_stages}.')
+  if (name == 'interleaved_1f1b' and virtual_stages > 1 and
+      num_micro_batches > num_stages and num_micro_batches % num_stages):
+    raise ValueError(
+        f'interleaved_1f1b runs micro-batches in groups of K={num_stages}: '
+        f'num_micro_batches={num_micro_batches} must be at most K or a multiple of K '
+        f'(e.g. {num_micro_batches - num_micro_batches % num_stages} or '
+        f'{num_micro_batches + num_stages - num_micro_batches % num_stages}).')
+  placement = _Placement(name, num_stages, virtual_stages)
+  return _Orders(name, num_stages, num_micro_batches, virtual_stages, placement), placement
 
-  def __init__(self, name, num_stages, num_micro_batches):
-    if name not in _ORDERS:
-      raise ValueError(f'Unknown schedule {name!r}; expected one of {list(SCHEDULE_NAMES)}.')
-    for what, value in (('num_stages', num_stages), ('num_micro_batches', num_micro_batches)):
-      if not isinstance(value, int) or value < 1:
+
+class Schedule:
+  """The per-device action orders of a schedule, checked and timed with unit costs.
+
+  Args:
+    name: one of SCHEDULE_NAMES, or any label for orders given explicitly.
+    num_stages: K devices.
+    num_micro_batches: M.
+    virtual_stages: v chunks per device (interleaved_1f1b: any; zbv: 2; else 1).
+    orders, placement: a user's own orders (per device, Actions) and chunk
+      devices, instead of a named schedule's.
+  """
+
+  def __init__(self, name, num_stages, num_micro_batches, virtual_stages=1, orders=None,
+               placement=None):
+    for what, value in (('num_stages', num_stages), ('num_micro_batches', num_micro_batches),
+                        ('virtual_stages', virtual_stages)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f'{what} must be a positive int, got {value!r}.')
+    if orders is None:
+      orders, placement = Orders(name, num_stages, num_micro_batches, virtual_stages)
+    if len(orders) != num_stages:
+      raise ValueError(f'Got orders for {len(orders)} devices; expected num_stages={num_stages}.')
     self.name = name
     self.num_stages = num_stages
     self.num_micro_batches = num_micro_batches
-    self.orders = _ORDERS[name](num_stages, num_micro_batches)
-    times = Simulate(self.orders)
-    self.steps = sorted(
-        (Step(int(start), k, m, kind) for ((m, kind), k), (start, _) in times.items()),
-        key=lambda s: (s.clock, s.stage))
-    self.num_clocks = max(s.clock for s in self.steps) + 1
+    self.virtual_stages = virtual_stages
+    self.placement = list(placement)
+    self.orders = [list(order) for order in orders]
+    times = Simulate(self.orders, self.placement, num_micro_batches)
+    self.steps = sorted((Step(int(start), self.placement[a.chunk], a)
+                         for a, (start, _) in times.items()),
+                        key=lambda s: (s.clock, s.stage, UNIT_COSTS[s.action.kind] > 0))
+    self.num_clocks = max(int(end) for _, end in times.values())
+
+  @property
+  def num_chunks(self):
+    return len(self.placement)
+
+  @property
+  def whole_batch_loss(self):
+    """Whether the loss is computed once on the whole batch (after every forward)."""
+    return any(a.kind == LOSS and a.micro_batch == ALL for order in self.orders for a in order)
 
   def StageSteps(self, stage):
-    """The steps of one stage in the order it runs them."""
+    """The steps of one device in the order it runs them."""
     return [s for s in self.steps if s.stage == stage]
 
-  def ForwardSteps(self):
-    return [s for s in self.steps if s.kind == FORWARD]
-
-  def BackwardSteps(self):
-    return [s for s in self.steps if s.kind == BACKWARD]
-
   def BubbleFraction(self):
-    """Idle share of K stages x makespan, with forward and backward of unit cost."""
-    return 1.0 - len(self.steps) / (self.num_stages * self.num_clocks)
+    """Idle share of K devices x makespan, with F, B and W of one unit each (BW two)."""
+    busy = sum(UNIT_COSTS[a.kind] for order in self.orders for a in order)
+    return 1.0 - busy / (self.num_stages * self.num_clocks)
 
   def MaxInFlight(self, stage):
-    """Most micro-batches that stage has forwarded but not yet backwarded."""
-    live = peak = 0
-    for s in self.StageSteps(stage):
-      live += 1 if s.kind == FORWARD else -1
-      peak = max(peak, live)
-    return peak
+    """Most micro-batch chunks whose activations device `stage` holds: forwarded, input
+    gradient not yet taken (a pending W holds less: MaxPendingWeightGrads)."""
+    return _Peak(self.orders[stage], {FORWARD: 1, INPUT_GRAD: -1, BACKWARD: -1})
+
+  def MaxPendingWeightGrads(self, stage):
+    """Most micro-batch chunks whose B ran and W did not: each holds what its W needs."""
+    return _Peak(self.orders[stage], {INPUT_GRAD: 1, WEIGHT_GRAD: -1})
+
+  def ToText(self):
+    """One line per device; FromText reads it back."""
+    head = (f'schedule {self.name} K={self.num_stages} M={self.num_micro_batches} '
+            f'v={self.virtual_stages}')
+    return '\n'.join([head] + [f'device{k}: ' + ' '.join(_ActionText(a) for a in order)
+                               for k, order in enumerate(self.orders)]) + '\n'
+
+  @classmethod
+  def FromText(cls, text):
+    """The Schedule of ToText's format (a user may write their own orders in it)."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    head = re.fullmatch(r'schedule (\S+) K=(\d+) M=(\d+) v=(\d+)', lines[0]) if lines else None
+    if head is None:
+      raise ValueError(f"Schedule text must start with 'schedule <name> K=<devices> "
+                       f"M=<micro-batches> v=<chunks per device>'; got {lines[:1]}.")
+    name, k, m, v = head.group(1), *map(int, head.groups()[1:])
+    orders = []
+    for i, line in enumerate(lines[1:]):
+      label, _, body = line.partition(':')
+      if label.strip() != f'device{i}':
+        raise ValueError(f"Schedule text line {i + 2}: expected 'device{i}: ...', got {line!r}.")
+      orders.append([_ParseAction(token) for token in body.split()])
+    placement = [None] * (k * v)
+    for device, order in enumerate(orders):
+      for a in order:
+        if 0 <= a.chunk < k * v:
+          placement[a.chunk] = device
+    if None in placement:
+      raise ValueError(f'Schedule text: chunk {placement.index(None)} of {k * v} has no actions.')
+    return cls(name, k, m, v, orders=orders, placement=placement)
 
   def __str__(self):
-    """A grid: one row per stage, one column per clock, cells like F3 or B0."""
-    width = len(f'{self.num_micro_batches - 1}') + 1
+    """A grid: one row per device, one column per unit of time, cells like F3, B0 or W1.
+
+    With several chunks per device, cells also name the chunk (F3.1); a fused BW
+    spans two columns; '.' is idle.
+    """
+    def Cell(a):
+      m = '*' if a.micro_batch == ALL else a.micro_batch
+      return f'{a.kind}{m}' + (f'.{a.chunk}' if self.num_chunks > self.num_stages else '')
+
+    cells = [Cell(s.action) for s in self.steps if UNIT_COSTS[s.action.kind]]
+    width = max(len(c) for c in cells)
     grid = [['.'.rjust(width)] * self.num_clocks for _ in range(self.num_stages)]
     for s in self.steps:
-      grid[s.stage][s.clock] = f'{s.kind}{s.micro_batch}'.rjust(width)
-    head = (f'{self.name} schedule, K={self.num_stages} stages, M={self.num_micro_batches} '
+      for i in range(UNIT_COSTS[s.action.kind]):
+        grid[s.stage][s.clock + i] = Cell(s.action).rjust(width)
+    v = f', v={self.virtual_stages}' if self.virtual_stages > 1 else ''
+    head = (f'{self.name} schedule, K={self.num_stages} devices{v}, M={self.num_micro_batches} '
             f'micro-batches, bubble {self.BubbleFraction():.3f}')
     rows = [f'stage{k:<3d} ' + ' '.join(row) for k, row in enumerate(grid)]
     return '\n'.join([head] + rows)
+
+
+def _Peak(order, change):
+  live = peak = 0
+  for a in order:
+    live += change.get(a.kind, 0)
+    peak = max(peak, live)
+  return peak
+
+
+def _ParseAction(token):
+  match = re.fullmatch(r'(BW|F|B|W|L)(\d+|\*)@(\d+)', token)
+  if match is None:
+    raise ValueError(f"Schedule text: {token!r} is not an action like F3@0, BW3@0, B3@1, W3@1, "
+                     "L3@1 or L*@1.")
+  kind, m, c = match.groups()
+  return Action(kind, ALL if m == '*' else int(m), int(c))
 
 
 def TheoreticalBubble(num_stages, num_micro_batches):

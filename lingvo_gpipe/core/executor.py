@@ -1,0 +1,539 @@
+"""The pipeline executor: runs a schedule's actions (schedule.py) one by one.
+
+One pass of a PipeliningLayer keeps, per replica, a `Pass`: the boundary
+activations waiting for their chunk, forward tapes of micro-batches that are
+not re-materialized, output gradients waiting for their backward, what a
+pending weight gradient W needs, and each chunk's running sum of weight
+gradients. Each action kind has one code path:
+
+  F(m, c)   chunk c's forward on micro-batch m, handed to chunk c+1;
+  L(m)      the loss of micro-batch m (or of the whole batch) and its gradient,
+            computed by the caller's `on_loss`;
+  BW(m, c)  the recompute (with remat) and both gradients in one function call,
+            the weight gradient added to the chunk's sum at once;
+  B(m, c)   the input gradient only, what the chunk before waits for: the
+            recompute runs here once, and its tape is held for...
+  W(m, c)   ...the weight gradient, which reuses that tape: re-materialization
+            stays one recompute per micro-batch chunk when B and W are split.
+
+In graphs, each action waits (control dependencies) for the previous action
+of the same device, so TensorFlow runs the order the schedule prints and
+cannot run ahead and hold more activations than the schedule says. A forward
+and a fused backward are each one call of a per-chunk function (`CellFunctions`),
+which keeps graphs small; B and W are inline, because the tape that W reuses
+cannot leave a function. With R replicas (`Replicas`) every replica runs the
+same actions on 1/R of the batch and their weight gradients are summed.
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from lingvo_gpipe.core import microbatch
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import schedule as schedule_lib
+
+F, B, W, BW, L = (schedule_lib.FORWARD, schedule_lib.INPUT_GRAD, schedule_lib.WEIGHT_GRAD,
+                  schedule_lib.BACKWARD, schedule_lib.LOSS)
+
+
+def AsArgs(value):
+  """A cell's output as the argument tuple of the next cell."""
+  return value if isinstance(value, tuple) else (value,)
+
+
+def IsFloatTensor(x):
+  return isinstance(x, (tf.Tensor, tf.Variable)) and x.dtype.is_floating
+
+
+def Replaced(values, positions, replacements):
+  """A copy of `values` with values[positions[i]] = replacements[i]."""
+  values = list(values)
+  for i, x in zip(positions, replacements):
+    values[i] = x
+  return values
+
+
+def _After(tokens, structure):
+  """`structure` made to wait for `tokens` (no-op when eager: Python orders it)."""
+  if not tokens or tf.executing_eagerly():
+    return structure
+  with tf.control_dependencies(tokens):
+    return tf.nest.map_structure(
+        lambda x: tf.identity(x) if isinstance(x, tf.Tensor) else x, structure)
+
+
+def _Tokens(structure):
+  return [x for x in tf.nest.flatten(structure) if isinstance(x, tf.Tensor)]
+
+
+def _Accumulate(total, grads):
+  """The running sum of a chunk's weight gradients (None before the first)."""
+  return grads if total is None else tf.nest.map_structure(tf.add, total, grads)
+
+
+def _Watch(tape, theta, args):
+  tape.watch([x for x in tf.nest.flatten(args) if IsFloatTensor(x)])
+  tape.watch(tf.nest.flatten(theta))
+
+
+def _Gradients(tape, targets, target_grads, sources):
+  """Gradients of the float `targets` (weighted by target_grads) w.r.t. the list `sources`."""
+  pairs = [(t, g) for t, g in zip(tf.nest.flatten(targets), tf.nest.flatten(target_grads))
+           if IsFloatTensor(t)]
+  return tape.gradient(
+      [t for t, _ in pairs], sources,
+      output_gradients=[tf.zeros_like(t) if g is None else tf.cast(g, t.dtype) for t, g in pairs],
+      unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+
+def _CellGradients(tape, targets, target_grads, args=None, theta=None):
+  """(gradients w.r.t. the float tensors of `args`, shaped like args with None elsewhere;
+  gradients w.r.t. theta), in one call; either is None when not asked for."""
+  flat = tf.nest.flatten(args) if args is not None else []
+  index = [i for i, x in enumerate(flat) if IsFloatTensor(x)]
+  flat_theta = tf.nest.flatten(theta) if theta is not None else []
+  grads = _Gradients(tape, targets, target_grads, [flat[i] for i in index] + flat_theta)
+  d_args = None if args is None else tf.nest.pack_sequence_as(
+      args, Replaced([None] * len(flat), index, grads[:len(index)]))
+  d_theta = None if theta is None else tf.nest.pack_sequence_as(theta, grads[len(index):])
+  return d_args, d_theta
+
+
+# -- timing -------------------------------------------------------------------------------
+
+
+@tf.function(autograph=False)
+def _Now(clock):
+  """tf.timestamp() in a call that takes the device's `clock` variable.
+
+  Inside a tf.function, automatic control dependencies chain every stateful op
+  that has no resource input (tf.timestamp is one) in program order, which
+  would make each device's stamps wait for the other devices' steps. A call that
+  takes a resource it only reads is ordered by nothing but its own inputs.
+  """
+  del clock  # Only its presence as an input matters.
+  return tf.timestamp()
+
+
+def Stamp(clock, structure):
+  """The time (seconds) once every tensor of `structure` exists."""
+  with tf.control_dependencies(_Tokens(structure)):
+    return _Now(clock)
+
+
+class DeviceClocks:
+  """One variable per device for its time stamps (see _Now), made on first use."""
+
+  def __init__(self, devices):
+    self._devices = list(devices)
+    self._clocks = {}
+
+  def __getitem__(self, device):
+    if device not in self._clocks:
+      with tf.init_scope(), tf.device(self._devices[device]):
+        self._clocks[device] = tf.Variable(0.0, trainable=False, name=f'clock{device}')
+    return self._clocks[device]
+
+
+class StepTracer:
+  """Appends one timing record per action to `records` (py_utils.Context(step_stats=...)).
+
+  A record: replica, stage (the device), chunk, kind, micro_batch, start, end
+  and, for a re-materialized backward, recompute_end. The end stamp is handed
+  back for the device's next action to wait for: a stamp nothing waits for may
+  run long after the outputs exist, when a busy executor gets to it.
+  """
+
+  def __init__(self, records, clocks):
+    self._records = records
+    self.clocks = clocks
+
+  def Start(self, device, inputs):
+    """(stamp when inputs are ready, the inputs made to wait for it)."""
+    start = Stamp(self.clocks[device], inputs)
+    return start, _After([start], inputs)
+
+  def End(self, replica, device, action, start, outputs, recompute_end=None):
+    end = Stamp(self.clocks[device], (outputs, recompute_end))
+    self._records.append(py_utils.NestedMap(
+        replica=replica, stage=device, chunk=action.chunk, kind=action.kind,
+        micro_batch=action.micro_batch, start=start, end=end, recompute_end=recompute_end))
+    return [end]
+
+
+# -- per-chunk functions ----------------------------------------------------------------------
+
+
+class CellFunctions:
+  """Chunk c's forward and fused recompute-then-backward, each traced once as a function.
+
+  An action is then one call op: unrolling K=4 cells over M=32 inline made 80k
+  ops and minutes of tracing. `_noinline` stops TensorFlow from inlining the
+  calls back before it optimizes the graph. Where the micro-batch sits in the
+  batch and the step are tensor arguments, so one trace serves every
+  micro-batch; batch-norm statistics come back keyed by layer path, so no trace
+  leaves state behind that another trace's calls would rely on. The first
+  backward of a pass has no weight-gradient sum to add to: it is a function of
+  its own, so neither function is traced twice (None, then sums).
+  """
+
+  def __init__(self, layer, chunk, device):
+    self._layer = layer
+    self._chunk = chunk
+    self._device = device
+    options = dict(autograph=False, experimental_attributes={'_noinline': True})
+    self._forward = py_utils.DistinctFunction(self._Forward, **options)
+    self._backward = py_utils.DistinctFunction(self._Backward, **options)
+    self._first_backward = py_utils.DistinctFunction(self._FirstBackward, **options)
+
+  def _Forward(self, theta, args, where, training):
+    updates = []
+    with tf.device(self._device), _Context(self._layer, where, training, updates):
+      out, acts = self._layer.CellFProp(self._chunk, theta, args)
+    stats = {}
+    for layer, layer_stats in updates:
+      stats.setdefault(layer.path, []).append(layer_stats)
+    return out, acts, stats
+
+  def _Backward(self, theta, args, grads_in, theta_grads, where, training, clock):
+    with tf.device(self._device), _Context(self._layer, where, training, []):
+      with tf.GradientTape(watch_accessed_variables=False) as tape:
+        _Watch(tape, theta, args)
+        targets = self._layer.CellFProp(self._chunk, theta, args)
+      recomputed = None if clock is None else Stamp(clock, targets)
+      d_args, d_theta = _CellGradients(tape, targets, grads_in, args, theta)
+      return d_args, _Accumulate(theta_grads, d_theta), recomputed
+
+  def _FirstBackward(self, theta, args, grads_in, where, training, clock):
+    return self._Backward(theta, args, grads_in, None, where, training, clock)
+
+  def Forward(self, theta, args, where, training):
+    """(outputs, activations, [(layer, stats)]) of the chunk.
+
+    where: (offset of the micro-batch in the whole batch, its size, step).
+    """
+    out, acts, stats = self._forward(theta, args, _Variables(where), training)
+    by_path = self._layer.cell[self._chunk].LayersByPath()
+    return out, acts, [(by_path[path], s) for path in sorted(stats) for s in stats[path]]
+
+  def Backward(self, theta, args, grads_in, theta_grads, where, training, clock=None):
+    """(input grads, theta_grads + this micro-batch's theta grads, the time the recompute
+    ended if a clock is given) of the chunk; the sum happens inside the call."""
+    where = _Variables(where)
+    if theta_grads is None:
+      return self._first_backward(theta, args, grads_in, where, training, clock)
+    return self._backward(theta, args, grads_in, theta_grads, where, training, clock)
+
+
+def _Variables(where):
+  # Grappler specializes a function for each call with constant inputs (here: the
+  # micro-batch offset), which for K x M calls takes minutes; grappler does not
+  # fold a PlaceholderWithDefault, so adding one (0) keeps inputs variable.
+  zero = tf.raw_ops.PlaceholderWithDefault(input=tf.constant(0, tf.int64), shape=[])
+  return tuple(zero + tf.cast(x, tf.int64) for x in where)
+
+
+def _Context(layer, where, training, updates=None):
+  offset, size, step = where
+  return py_utils.Context(training=training, step=step, updates=updates,
+                          batch_slice=py_utils.BatchSlice(offset, size, layer.params.batch_dim))
+
+
+# -- one replica's pass -------------------------------------------------------------------------
+
+
+class Pass:
+  """One replica's pipelined pass over its micro-batches, run one action at a time.
+
+  Args:
+    layer: the PipeliningLayer (cells, devices, placement, CellFProp).
+    replica: r.
+    thetas: per chunk, its theta read on its device.
+    micro_args: per micro-batch, the first chunk's argument tuple.
+    remat: 'always', 'except_last' or 'never' (gpipe.REMAT_MODES).
+    keep_inputs: keep a re-materialized chunk's input for its backward (False
+      for a forward-only pass).
+    step: the training step, which random ops need (BaseLayer.TrainingStep).
+    first_example: where this replica's rows start in the whole batch.
+    tracer: a StepTracer, or None.
+  """
+
+  def __init__(self, layer, replica, thetas, micro_args, remat, keep_inputs, step,
+               first_example, tracer=None):
+    self.layer = layer
+    self.replica = replica
+    self.training = py_utils.CurrentContext().training
+    self.step = step  # Kept here: a backward runs when the tape asks, maybe out of context.
+    self.first_example = first_example
+    self.micro_batch_size = microbatch.BatchSize(micro_args[0], layer.params.batch_dim)
+    self.devices = layer.ReplicaDevices(replica)
+    self.placement = layer.placement
+    self.functions = layer.cell_functions[replica]
+    self.thetas = thetas
+    self.remat = remat
+    self.keep_inputs = keep_inputs
+    self.tracer = tracer
+    self.num_chunks = len(thetas)
+    self.num_micro_batches = len(micro_args)
+    self.inputs = {(m, 0): args for m, args in enumerate(micro_args)}
+    self.tapes = {}
+    self.pending_w = {}
+    self.outputs = {}
+    self.acts = {}
+    self.out_grads = {}
+    self.act_grads = {}
+    self.input_grads = {}
+    self.theta_grads = [None] * self.num_chunks
+    self.tokens = [[] for _ in self.devices]
+    self.updates = []
+    self._handlers = {F: self._Forward, B: self._InputGrad, W: self._WeightGrad,
+                      BW: self._Backward}
+
+  def Run(self, action):
+    """Runs one F, B, W or BW action on its chunk's device, after that device's last one."""
+    device = self.placement[action.chunk]
+    with self._Scope(action):
+      self.tokens[device] = self._handlers[action.kind](action, device)
+
+  def _Scope(self, action):
+    """Device, name scope and FProp context of one action."""
+    scope = contextlib.ExitStack()
+    scope.enter_context(tf.device(self.devices[action.chunk]))
+    if self.layer.num_replicas > 1:
+      scope.enter_context(tf.name_scope(f'replica{self.replica}'))
+    scope.enter_context(tf.name_scope(f'chunk{action.chunk}_{action.kind}{action.micro_batch}'))
+    scope.enter_context(_Context(self.layer, self._Where(action.micro_batch), self.training))
+    return scope
+
+  def _Where(self, m):
+    """(offset of micro-batch m in the whole batch, its size, step): what random ops need."""
+    return (self.first_example + m * self.micro_batch_size, self.micro_batch_size, self.step)
+
+  def _Begin(self, device, inputs):
+    """`inputs` made to wait for the device's previous action; (start stamp or None, inputs)."""
+    inputs = _After(self.tokens[device], inputs)
+    if self.tracer is None:
+      return None, inputs
+    return self.tracer.Start(device, inputs)
+
+  def _End(self, device, action, start, outputs, recompute_end=None):
+    """The tokens the device's next action waits for."""
+    tokens = _Tokens(outputs)
+    if self.tracer is not None:
+      tokens += self.tracer.End(self.replica, device, action, start, outputs, recompute_end)
+    return tokens
+
+  def _Remat(self, m):
+    return self.remat == 'always' or (self.remat == 'except_last' and
+                                      m < self.num_micro_batches - 1)
+
+  def _Forward(self, action, device):
+    m, c = action.micro_batch, action.chunk
+    key = (m, c)
+    start, args = self._Begin(device, self.inputs[key])
+    if self._Remat(m):
+      out, acts, updates = self.functions[c].Forward(self.thetas[c], args, self._Where(m),
+                                                     self.training)
+      if not self.keep_inputs:
+        del self.inputs[key]
+    else:
+      updates = []
+      tape = tf.GradientTape(watch_accessed_variables=False, persistent=True)
+      with tape, py_utils.Context(updates=updates):
+        _Watch(tape, self.thetas[c], args)
+        out, acts = self.layer.CellFProp(c, self.thetas[c], args)
+      self.tapes[key] = (tape, args, (out, acts))
+      del self.inputs[key]
+    self.updates += updates
+    self.acts[key] = acts
+    if c + 1 < self.num_chunks:
+      self.inputs[(m, c + 1)] = out
+    else:
+      self.outputs[m] = out
+    return self._End(device, action, start, (out, acts))
+
+  def _GradsIn(self, m, c):
+    """(output gradient, fetched activations' gradients) of micro-batch m on chunk c."""
+    key = (m, c)
+    no_act_grads = tf.nest.map_structure(lambda _: None, self.acts[key])
+    return (self.out_grads.pop(key), self.act_grads.pop(key, no_act_grads))
+
+  def _HandOn(self, m, c, d_args):
+    if c > 0:
+      self.out_grads[(m, c - 1)] = d_args
+    else:
+      self.input_grads[m] = d_args
+
+  def _Recompute(self, device, m, c, grads_in):
+    """(tape, args, targets, start, recompute end or None): chunk c's forward on micro-batch
+    m again under a tape. It also waits for the output gradient, so a device holds a chunk's
+    activations only while it can run that chunk's backward."""
+    waits = [g for g in tf.nest.flatten(grads_in) if g is not None]
+    start, (args, grads_in) = self._Begin(device, _After(waits, (self.inputs.pop((m, c)),
+                                                                 grads_in)))
+    tape = tf.GradientTape(watch_accessed_variables=False, persistent=True)
+    with tape, py_utils.Context(updates=[]):  # The forward recorded the statistics.
+      _Watch(tape, self.thetas[c], args)
+      targets = self.layer.CellFProp(c, self.thetas[c], args)
+    recomputed = None if self.tracer is None else Stamp(self.tracer.clocks[device], targets)
+    return tape, args, targets, grads_in, start, recomputed
+
+  def _Backward(self, action, device):
+    """BW: both gradients; the weight gradient is added to the chunk's sum at once."""
+    m, c = action.micro_batch, action.chunk
+    grads_in = self._GradsIn(m, c)
+    if (m, c) in self.tapes:
+      tape, args, targets = self.tapes.pop((m, c))
+      start, grads_in = self._Begin(device, grads_in)
+      d_args, d_theta = _CellGradients(tape, targets, grads_in, args, self.thetas[c])
+      self.theta_grads[c] = _Accumulate(self.theta_grads[c], d_theta)
+      recomputed = None
+    else:
+      waits = self.tokens[device] + [g for g in tf.nest.flatten(grads_in) if g is not None]
+      args, grads_in = _After(waits, (self.inputs.pop((m, c)), grads_in))
+      start, (args, grads_in) = self._Begin(device, (args, grads_in))
+      clock = None if self.tracer is None else self.tracer.clocks[device]
+      d_args, self.theta_grads[c], recomputed = self.functions[c].Backward(
+          self.thetas[c], args, grads_in, self.theta_grads[c], self._Where(m), self.training,
+          clock)
+    self._HandOn(m, c, d_args)
+    return self._End(device, action, start, (d_args, self.theta_grads[c]), recomputed)
+
+  def _InputGrad(self, action, device):
+    """B: the input gradient; what W needs (the tape and output gradients) is held."""
+    m, c = action.micro_batch, action.chunk
+    grads_in = self._GradsIn(m, c)
+    if (m, c) in self.tapes:
+      tape, args, targets = self.tapes.pop((m, c))
+      start, grads_in = self._Begin(device, grads_in)
+      recomputed = None
+    else:
+      tape, args, targets, grads_in, start, recomputed = self._Recompute(device, m, c, grads_in)
+    d_args, _ = _CellGradients(tape, targets, grads_in, args=args)
+    self.pending_w[(m, c)] = (tape, targets, grads_in)
+    self._HandOn(m, c, d_args)
+    return self._End(device, action, start, d_args, recomputed)
+
+  def _WeightGrad(self, action, device):
+    """W: the weight gradient from B's tape, added to the chunk's sum."""
+    m, c = action.micro_batch, action.chunk
+    tape, targets, grads_in = self.pending_w.pop((m, c))
+    start, grads_in = self._Begin(device, grads_in)
+    _, d_theta = _CellGradients(tape, targets, grads_in, theta=self.thetas[c])
+    # Gradient ops are named after the forward they differentiate (B's recompute): named
+    # here too, W's outputs show in graphs and traces as W's.
+    d_theta = tf.nest.map_structure(tf.identity, d_theta)
+    self.theta_grads[c] = _Accumulate(self.theta_grads[c], d_theta)
+    return self._End(device, action, start, self.theta_grads[c])
+
+  def MergedOutputs(self):
+    """(outputs, fetched activations) of the whole batch."""
+    batch_dim = self.layer.params.batch_dim
+    outputs = microbatch.Merge([self.outputs[m] for m in range(self.num_micro_batches)],
+                               batch_dim)
+    acts = py_utils.NestedMap()
+    for c in range(self.num_chunks):
+      for name in self.acts[(0, c)]:
+        acts[name] = microbatch.Merge(
+            [self.acts[(m, c)][name] for m in range(self.num_micro_batches)], batch_dim)
+    return outputs, acts
+
+  def MicroBatchOutputs(self, m):
+    """(outputs, fetched activations) of micro-batch m."""
+    acts = py_utils.NestedMap()
+    for c in range(self.num_chunks):
+      acts.update(self.acts[(m, c)])
+    return self.outputs[m], acts
+
+  def SetMicroBatchOutputGradients(self, m, d_outputs, d_acts):
+    self.out_grads[(m, self.num_chunks - 1)] = d_outputs
+    for c in range(self.num_chunks):
+      self.act_grads[(m, c)] = py_utils.NestedMap({n: d_acts[n] for n in self.acts[(m, c)]})
+
+  def SetOutputGradients(self, d_outputs, d_acts):
+    """Splits whole-batch gradients of outputs and activations per micro-batch."""
+    num = self.num_micro_batches
+    batch_dim = self.layer.params.batch_dim
+    outs = microbatch.Split(d_outputs, num, batch_dim)
+    acts = microbatch.Split(d_acts, num, batch_dim) if d_acts else [d_acts] * num
+    for m in range(num):
+      self.SetMicroBatchOutputGradients(m, outs[m], acts[m])
+
+  def MergedInputGradients(self):
+    return microbatch.Merge([self.input_grads[m] for m in range(self.num_micro_batches)],
+                            self.layer.params.batch_dim)
+
+
+class Replicas:
+  """R data-parallel copies of one pipelined pass, each on 1/R of the batch.
+
+  Weights live on replica 0's devices; every replica reads them onto its own
+  devices, and the replicas' weight gradients are summed back on replica 0's
+  devices: the all-reduce that makes R replicas train like one device on the
+  whole batch. With R = 1 this is just the one Pass.
+  """
+
+  def __init__(self, layer, thetas, args, num_micro_batches, remat, step, keep_inputs=True,
+               tracer=None):
+    self._layer = layer
+    batch_dim = layer.params.batch_dim
+    parts = microbatch.Split(args, layer.num_replicas, batch_dim) if (
+        layer.num_replicas > 1) else [args]
+    rows = microbatch.BatchSize(parts[0], batch_dim)
+    self.passes = [
+        Pass(layer, r, layer.ReplicaThetas(thetas, r),
+             microbatch.Split(part, num_micro_batches, batch_dim), remat, keep_inputs, step,
+             first_example=r * rows, tracer=tracer)
+        for r, part in enumerate(parts)]
+
+  def Execute(self, actions, on_loss=None):
+    """Runs the actions, each on every replica.
+
+    on_loss(pass, m) computes micro-batch m's loss and sets its output gradients
+    (SetMicroBatchOutputGradients); on_loss(None, ALL), for a whole-batch L(*),
+    those of every replica (SetOutputGradients).
+    """
+    for action in actions:
+      if action.kind == L and action.micro_batch == schedule_lib.ALL:
+        on_loss(None, schedule_lib.ALL)
+      elif action.kind == L:
+        for one in self.passes:
+          with tf.device(one.devices[action.chunk]):
+            on_loss(one, action.micro_batch)
+      else:
+        for one in self.passes:
+          one.Run(action)
+
+  def _Merge(self, values):
+    return values[0] if len(values) == 1 else microbatch.Merge(values, self._layer.params.batch_dim)
+
+  def MergedOutputs(self):
+    """(outputs, fetched activations) of the whole batch."""
+    return self._Merge([one.MergedOutputs() for one in self.passes])
+
+  def SetOutputGradients(self, d_outputs, d_acts):
+    parts = microbatch.Split((d_outputs, d_acts), len(self.passes),
+                             self._layer.params.batch_dim) if (
+                                 len(self.passes) > 1) else [(d_outputs, d_acts)]
+    for one, (d_out, d_act) in zip(self.passes, parts):
+      one.SetOutputGradients(d_out, d_act)
+
+  def MergedInputGradients(self):
+    return self._Merge([one.MergedInputGradients() for one in self.passes])
+
+  @property
+  def theta_grads(self):
+    """Per chunk, the weight gradients summed over replicas on replica 0's device."""
+    if len(self.passes) == 1:
+      return self.passes[0].theta_grads
+    sums = []
+    for c, device in enumerate(self._layer.ReplicaDevices(0)):
+      with tf.device(device):
+        sums.append(tf.nest.map_structure(lambda *g: tf.add_n(list(g)),
+                                          *[one.theta_grads[c] for one in self.passes]))
+    return sums
+
+  @property
+  def updates(self):
+    return [u for one in self.passes for u in one.updates]
