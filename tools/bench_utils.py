@@ -74,6 +74,10 @@ class Step:
     self.rows = rows
 
 
+# Chunks per device the tools run for each schedule (cells = stages x this).
+VIRTUAL_STAGES = {'interleaved_1f1b': 2, 'zbv': 2}
+
+
 def FlagsConfig(flag_values):
   """The built-in stack's config from a tool's flags of the same names."""
   return {name: getattr(flag_values, name)
@@ -145,10 +149,12 @@ def _BuiltInStep(tf, config):
     model = layers.SequentialLayer.Params().Set(name='plain', sub=layer_params).Instantiate()
     use_tape = True
   else:
-    cells = gpipe.PartitionSequentialLayers(layer_params, config['stages'], tf.TensorShape(shape))
+    v = VIRTUAL_STAGES.get(config['schedule'], 1)
+    cells = gpipe.PartitionSequentialLayers(layer_params, config['stages'] * v,
+                                            tf.TensorShape(shape))
     model = gpipe.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=cells, num_micro_batches=config['micro_batches'],
-        remat=config['remat'], schedule=config['schedule']).Instantiate()
+        remat=config['remat'], schedule=config['schedule'], virtual_stages=v).Instantiate()
     use_tape = config['path'] == 'fprop' and config['schedule'] == 'gpipe'
 
   def Body():
@@ -168,9 +174,10 @@ def _RegisteredStep(tf, config):
   params = model_registry.GetParams(config['model'], 'Train')
   stack = params.task.stack
   plain = config['stages'] == 0
-  stack.Set(splits=max(1, config['stages']), num_micro_batches=1 if plain else
+  v = 1 if plain else VIRTUAL_STAGES.get(config['schedule'], 1)
+  stack.Set(splits=max(1, config['stages']) * v, num_micro_batches=1 if plain else
             config['micro_batches'], remat='never' if plain else config['remat'],
-            schedule='gpipe' if plain else config['schedule'])
+            schedule='gpipe' if plain else config['schedule'], virtual_stages=v)
   task = params.task.Instantiate()
   batch = next(iter(params.input.Instantiate().GetDataset()))
 

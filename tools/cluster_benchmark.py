@@ -2,6 +2,7 @@ r"""Pipeline speed-up across two worker processes, each on one core, against one
 
   python tools/cluster_benchmark.py                         # M in 1,2,4,8,16
   python tools/cluster_benchmark.py --micro_batches=8 --layers=4 --rows=1024
+  python tools/cluster_benchmark.py --schedules=1f1b,zb_h1,zbv --micro_batches=4,8
 
 Baseline: one process pinned to core 0 (taskset, one intra-op thread) trains
 the whole model, a plain stack, on the global batch. Pipeline: two worker
@@ -18,14 +19,15 @@ process, and each M is compared with the faster of the two baselines around it:
 this machine's speed drifts by about 10% over minutes, and a baseline taken
 far from the pipeline it is compared with moved the ratio by as much.
 
-Reported per M: seconds per step (the best call: the machine is shared, and
+Schedules with two chunks per device (interleaved_1f1b, zbv) cut the model into
+four cells. Reported per schedule and M: seconds per step (the best call: the machine is shared, and
 other load only slows a run down; the median is in the JSON), examples per
 second, its baseline, the speed-up over it, GPipe's ideal 2M/(M+1) for two
 stages, and the speed-up's ratio to it; then the bubble of --bubble_steps
 separately run forward-backward steps with the pipeline's statistics on (the
 median), next to its simulation with the measured stage and hand-over costs
-and the theory (M-1 idle micro-batch slots: 1/(M+1)). Prints a markdown table,
-then the JSON.
+and the schedule's unit-cost bubble (F, B and W one unit each; fill-drain's is
+1/(M+1)). Prints a markdown table, then the JSON.
 """
 
 import json
@@ -44,6 +46,7 @@ flags.DEFINE_integer('width', 256, 'Model width.')
 flags.DEFINE_integer('hidden', 1024, 'Hidden width of each block.')
 flags.DEFINE_integer('rows', 4096, 'Global batch (rows).')
 flags.DEFINE_list('micro_batches', ['1', '2', '4', '8', '16'], 'M values.')
+flags.DEFINE_list('schedules', ['gpipe'], 'Pipeline schedules (PipeliningLayer.Params().schedule).')
 flags.DEFINE_enum('remat', 'never', ['always', 'except_last', 'never'],
                   "Re-materialization of the pipeline; 'never' does the baseline's work.")
 flags.DEFINE_integer('worker_inter_op_threads', 2,
@@ -133,11 +136,13 @@ def _Pipeline(config):
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   cluster_lib.Connect(config['spec'], timeout_secs=120)
   devices = cluster_lib.PipelineDevices(2)
-  cells = gpipe.PartitionSequentialLayers(_Layers(config), 2,
+  v = bench_utils.VIRTUAL_STAGES.get(config['schedule'], 1)
+  cells = gpipe.PartitionSequentialLayers(_Layers(config), 2 * v,
                                           tf.TensorShape([config['rows'], config['width']]))
   pipe = gpipe.PipeliningLayer.Params().Set(
       name='pipe', cell_tpl=cells, num_micro_batches=config['micro_batches'],
-      remat=config['remat'], devices=devices).Instantiate()
+      remat=config['remat'], devices=devices, schedule=config['schedule'],
+      virtual_stages=v).Instantiate()
 
   def ForwardBackward(x, loss_fn):
     loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn)
@@ -184,6 +189,7 @@ def _Table(pipelines):
     return lambda p: f'{p[key]:.3f}' if key in p else '-'
 
   return bench_utils.MarkdownTable(pipelines, [
+      ('schedule', lambda p: p['schedule']),
       ('M', lambda p: p['micro_batches']),
       ('pipeline s/step', lambda p: f"{p['step_s']:.3f}"),
       ('baseline s/step', lambda p: f"{p['baseline_s']:.3f}"),
@@ -193,21 +199,23 @@ def _Table(pipelines):
       ('ideal 2M/(M+1)', lambda p: f'{Ideal(p):.2f}'),
       ('speed-up / ideal', lambda p: f'{Speedup(p) / Ideal(p):.2f}'),
       ('bubble measured', Bubble('bubble')), ('simulated', Bubble('bubble_simulated')),
-      ('theory', Bubble('bubble_theory'))])
+      ('unit-cost', Bubble('bubble_theory'))])
 
 
-def _Interleaved(spec, micro_batches):
-  """(baselines, pipelines): a baseline, then each M followed by a baseline, each in its own
-  process (the idle workers wait meanwhile); each M gets the faster baseline around it."""
+def _Interleaved(spec, cases):
+  """(baselines, pipelines): a baseline, then each (schedule, M) followed by a baseline, each
+  in its own process (the idle workers wait meanwhile); each gets the faster baseline around
+  it."""
   script = os.path.abspath(__file__)
-  total = 1 + 2 * len(micro_batches)
+  total = 1 + 2 * len(cases)
   baselines = bench_utils.RunIsolated(script, _Config(role='baseline'))
   bench_utils.Progress(1, total, f"baseline: {baselines[-1]['step_s']:.3f} s/step")
   pipelines = []
-  for i, m in enumerate(micro_batches):
+  for i, (sched, m) in enumerate(cases):
     (pipeline,) = bench_utils.RunIsolated(script, _Config(role='client', spec=spec,
-                                                          micro_batches=m))
-    bench_utils.Progress(2 * i + 2, total, f"pipeline M={m}: {pipeline['step_s']:.3f} s/step")
+                                                          schedule=sched, micro_batches=m))
+    bench_utils.Progress(2 * i + 2, total,
+                         f"pipeline {sched} M={m}: {pipeline['step_s']:.3f} s/step")
     baselines += bench_utils.RunIsolated(script, _Config(role='baseline'))
     bench_utils.Progress(2 * i + 3, total, f"baseline: {baselines[-1]['step_s']:.3f} s/step")
     pipeline['baseline_s'] = min(baselines[-2]['step_s'], baselines[-1]['step_s'])
@@ -226,7 +234,8 @@ def main(argv):
   cpus = [0, 1] if FLAGS.pin_workers else None
   with local_cluster.LocalCluster(2, cpus=cpus, intra_op_threads=1,
                                   inter_op_threads=FLAGS.worker_inter_op_threads) as cluster:
-    baselines, pipelines = _Interleaved(cluster.spec, [int(m) for m in FLAGS.micro_batches])
+    baselines, pipelines = _Interleaved(cluster.spec, [
+        (sched, int(m)) for sched in FLAGS.schedules for m in FLAGS.micro_batches])
   results = dict(baselines=baselines, pipelines=pipelines, pinned_workers=FLAGS.pin_workers,
                  load_before=load_before, load_after=bench_utils.Load())
   bench_utils.Emit(_Table(pipelines), results, FLAGS.json_out, notes=[

@@ -14,6 +14,14 @@ scale.
 
   python tools/memory_curves.py                 # a few minutes
   python tools/memory_curves.py --layers=16 --width=256 --hidden=1024 --rows=8192
+
+With --schedules it compares schedules instead, at K=--fixed_stages over
+--micro_batches: each run's peak next to what its schedule holds (summed over
+devices: micro-batch chunks between forward and input gradient, and pending
+weight gradients), so a schedule whose count is flat in M should measure flat:
+
+  python tools/memory_curves.py --schedules=gpipe,1f1b,zb_h1,zb_h2,zbv --remat=never \
+      --fixed_stages=4 --micro_batches=8,16,32
 """
 
 import json
@@ -21,6 +29,7 @@ import json
 from absl import flags
 import bench_utils
 from lingvo_gpipe import binaries
+from lingvo_gpipe.core import schedule as schedule_lib
 import numpy as np
 
 FLAGS = flags.FLAGS
@@ -35,7 +44,9 @@ flags.DEFINE_integer('fixed_stages', 2, 'K of the M sweep.')
 flags.DEFINE_list('micro_batches', ['1', '4', '16', '32'], 'M values of the M sweep.')
 flags.DEFINE_integer('fixed_micro_batches', 16, 'M of the K sweep.')
 flags.DEFINE_list('stages', ['1', '2', '4'], 'K values of the K sweep.')
-flags.DEFINE_enum('schedule', 'gpipe', ['gpipe', '1f1b'], 'Pipeline schedule.')
+flags.DEFINE_enum('schedule', 'gpipe', list(schedule_lib.SCHEDULE_NAMES), 'Pipeline schedule.')
+flags.DEFINE_list('schedules', None, 'Compare these schedules over --micro_batches at '
+                  '--fixed_stages instead of the K and M sweeps.')
 flags.DEFINE_enum('remat', 'always', ['always', 'except_last', 'never'], 'Re-materialization.')
 flags.DEFINE_integer('steps', 2, 'Steps measured per point (the largest peak is kept).')
 flags.DEFINE_integer('inter_op_threads', 1, 'Ops run at once; 1 makes the fit\'s premise hold.')
@@ -72,10 +83,51 @@ def Fit(results):
   return coefficients, a @ coefficients
 
 
+def _Held(sched, k, m):
+  """(micro-batch chunks held between F and B, pending Ws), summed over the K devices."""
+  s = schedule_lib.Schedule(sched, k, m, bench_utils.VIRTUAL_STAGES.get(sched, 1))
+  return (sum(s.MaxInFlight(d) for d in range(k)),
+          sum(s.MaxPendingWeightGrads(d) for d in range(k)))
+
+
+def _ScheduleSweep(base):
+  """Each schedule over --micro_batches at K=--fixed_stages, against what it holds."""
+  k = FLAGS.fixed_stages
+  points = [dict(base, stages=0, micro_batches=1, schedule='gpipe', sweep='plain')] + [
+      dict(base, stages=k, micro_batches=int(m), schedule=sched, sweep='schedule')
+      for sched in FLAGS.schedules for m in FLAGS.micro_batches]
+  results = []
+  for i, config in enumerate(points, 1):
+    results.append(bench_utils.RunIsolated(__file__, config))
+    bench_utils.Progress(i, len(points), f"{config['schedule']} M={config['micro_batches']}: "
+                         f"peak {results[-1]['peak_mb']:.1f} MB")
+  plain = results[0]
+  for r in results[1:]:
+    r['held'], r['pending_w'] = _Held(r['schedule'], k, r['micro_batches'])
+    first = next(q for q in results[1:] if q['schedule'] == r['schedule'])
+    r['vs_first_m'] = r['peak_mb'] / first['peak_mb']
+  table = bench_utils.MarkdownTable(results[1:], [
+      ('schedule', lambda r: r['schedule']), ('M', lambda r: r['micro_batches']),
+      ('peak MB', lambda r: f"{r['peak_mb']:.1f}"),
+      ('x plain', lambda r: f"{r['peak_mb'] / plain['peak_mb']:.2f}"),
+      (f'x M={FLAGS.micro_batches[0]}', lambda r: f"{r['vs_first_m']:.2f}"),
+      ('chunks held (sum over devices)', lambda r: r['held']),
+      ('pending W', lambda r: r['pending_w'])])
+  notes = [f"{FLAGS.model}: L={FLAGS.layers}, N={FLAGS.rows}, K={k}, remat {FLAGS.remat}; "
+           f"plain model {plain['peak_mb']:.1f} MB; load average before {base['load']}, after "
+           f'{bench_utils.Load()}']
+  bench_utils.Emit(table, dict(points=results), FLAGS.json_out, notes)
+
+
 def main(argv):
   del argv
   if FLAGS.single:
     print(json.dumps(_RunOne(json.loads(FLAGS.single))))
+    return
+  if FLAGS.schedules:
+    _ScheduleSweep(dict(bench_utils.FlagsConfig(FLAGS), remat=FLAGS.remat,
+                        path='forward_backward', steps=FLAGS.steps,
+                        inter_op_threads=FLAGS.inter_op_threads, load=bench_utils.Load()))
     return
   points = _Points()
   load_before = bench_utils.Load()

@@ -40,7 +40,9 @@ flags.DEFINE_integer('seq_len', 64, 'Sequence length of the Transformer.')
 flags.DEFINE_list('stages', ['1', '2', '4'], 'K values.')
 flags.DEFINE_list('micro_batches', ['1', '4', '8', '16', '32'], 'M values.')
 flags.DEFINE_list('remat', ['always', 'except_last', 'never'], 'Re-materialization modes.')
-flags.DEFINE_list('schedules', ['gpipe', '1f1b'], 'Schedules.')
+flags.DEFINE_list('schedules', ['gpipe', '1f1b'],
+                  'Schedules (PipeliningLayer.Params().schedule: gpipe, 1f1b, interleaved_1f1b, '
+                  'zb_h1, zb_h2, zbv).')
 flags.DEFINE_enum('path', 'fprop', ['fprop', 'forward_backward'],
                   'FProp under tf.GradientTape (a model\'s train step) or ForwardBackward. '
                   "'1f1b' always runs ForwardBackward.")

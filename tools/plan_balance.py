@@ -11,6 +11,13 @@ through the simulator, with the model's own split (FLOP-balanced).
   python -m lingvo_gpipe.trainer --model=lm.synthetic.GPipeTransformerLmBig \
       --balance_file=/tmp/big.plan.json --logdir=/tmp/big
   python tools/plan_balance.py --model=mlp --stages=2 --memory_cap_mb=64
+  python tools/plan_balance.py --model=lm.synthetic.GPipeTransformerLmTiny --choose \
+      --memory_cap_mb=64          # also picks M, the schedule and remat
+
+With --choose the planner also tries every M dividing the batch (up to 64),
+the schedules gpipe, 1f1b, zb_h1 and zb_h2 and every remat mode, with layer
+costs scaled from the profiled micro-batch to each M's, and keeps the best
+predicted step that fits the cap; it prints the top candidates and why.
 """
 
 import dataclasses
@@ -21,6 +28,7 @@ import tempfile
 from absl import flags
 import bench_utils
 from lingvo_gpipe import binaries
+from lingvo_gpipe.core import schedule as schedule_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', 'lm.synthetic.GPipeTransformerLmBig',
@@ -30,10 +38,12 @@ flags.DEFINE_string('model_params_override', '',
                     'trainer applies it.')
 flags.DEFINE_integer('stages', None, 'K; default the model\'s.')
 flags.DEFINE_integer('micro_batches', None, 'M; default the model\'s.')
-flags.DEFINE_enum('schedule', None, ['gpipe', '1f1b'], 'Schedule; default the model\'s.')
+flags.DEFINE_enum('schedule', None, list(schedule_lib.SCHEDULE_NAMES), 'Schedule; default the model\'s.')
 flags.DEFINE_enum('remat', None, ['always', 'except_last', 'never'],
                   'Re-materialization; default the model\'s.')
 flags.DEFINE_float('memory_cap_mb', None, 'Per-device memory cap in MiB; default none.')
+flags.DEFINE_boolean('choose', False, 'Also choose M, the schedule and remat (see above).')
+flags.DEFINE_integer('top', 8, 'With --choose: candidates printed.')
 flags.DEFINE_integer('optimizer_slots', 2, 'Optimizer tensors per weight (Adam 2, SGD 0).')
 flags.DEFINE_integer('repeats', 3, 'Timed runs per layer (median).')
 flags.DEFINE_integer('layers', 8, 'Built-in stacks: layers.')
@@ -52,7 +62,7 @@ def _Measured(profile):
 
 
 def _Profile(tf):
-  """(profiles, glued layers, the model's own ends, K, M, schedule, remat)."""
+  """(profiles, glued layers, the model's own ends, K, M, schedule, remat, batch rows)."""
   from lingvo_gpipe import base_runner  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import pipeline_params  # pylint: disable=g-import-not-at-top
@@ -73,7 +83,8 @@ def _Profile(tf):
     layer_params, own = pipeline_params.LayersAndEnds(pipe)
     profiles = profiler.ProfileLayers(layer_params, tf.TensorSpec(shape), shape[0] // m,
                                       FLAGS.repeats, progress=Progress)
-    return profiles, [], own, k, m, FLAGS.schedule or 'gpipe', FLAGS.remat or 'always'
+    return (profiles, [], own, k, m, FLAGS.schedule or 'gpipe', FLAGS.remat or 'always',
+            shape[0])
   try:
     params = base_runner.LoadModelParams(FLAGS.model, 'Train', FLAGS.model_params_override)
   except base_runner.UserError as e:
@@ -88,7 +99,7 @@ def _Profile(tf):
   profiles, glued = planner.PipelineProfiles(pipe, params.input.batch_size // m, FLAGS.repeats,
                                              progress=Progress)
   return (profiles, glued, own, k, m, FLAGS.schedule or pipe.schedule,
-          FLAGS.remat or pipe.remat)
+          FLAGS.remat or pipe.remat, params.input.batch_size)
 
 
 def main(argv):
@@ -96,14 +107,21 @@ def main(argv):
   tf = bench_utils.SetUpDevices(1)
   from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
   load_before = bench_utils.Load()
-  profiles, glued, own_ends, k, m, schedule, remat = _Profile(tf)
+  profiles, glued, own_ends, k, m, schedule, remat, rows = _Profile(tf)
   if m is None:
     sys.exit(f'plan_balance: error: the batch does not split into the model\'s micro-batches.')
   cap = None if FLAGS.memory_cap_mb is None else FLAGS.memory_cap_mb * 2**20
+  candidates = []
   try:
-    plan = planner.MakePlan(profiles, k, m, schedule=schedule, remat=remat,
-                            memory_cap_bytes=cap, optimizer_slots=FLAGS.optimizer_slots,
-                            glued=glued, source=FLAGS.model)
+    if FLAGS.choose:
+      plan, candidates = planner.ChoosePlan(
+          profiles, k, rows, rows // m, memory_cap_bytes=cap,
+          optimizer_slots=FLAGS.optimizer_slots, glued=glued, source=FLAGS.model)
+      m, schedule, remat = plan.num_micro_batches, plan.schedule, plan.remat
+    else:
+      plan = planner.MakePlan(profiles, k, m, schedule=schedule, remat=remat,
+                              memory_cap_bytes=cap, optimizer_slots=FLAGS.optimizer_slots,
+                              glued=glued, source=FLAGS.model)
   except ValueError as e:
     sys.exit(f'plan_balance: error: {e}')
   plan.Save(FLAGS.out)
@@ -136,7 +154,30 @@ def main(argv):
     notes.append(f"* at least this: the backward of {', '.join(sorted(unmeasured))} was not "
                  'measured (forward and backward together ran no longer than the forward '
                  'alone) and counts as 0 ms.')
+  if candidates:
+    print(_CandidateTable(candidates[:FLAGS.top], cap))
   bench_utils.Emit(table, plan.ToJson(), None, notes)
+
+
+def _CandidateTable(candidates, cap):
+  """The best candidates of --choose, with why each lost to the first."""
+  best = candidates[0]
+
+  def Why(c):
+    if c is best:
+      return 'chosen: fastest predicted step that fits'
+    if 'why' in c:
+      return 'does not fit the cap'
+    return f"{c['step_time_s'] / best['step_time_s'] - 1:+.1%} step time"
+
+  return bench_utils.MarkdownTable(candidates, [
+      ('M', lambda c: c['num_micro_batches']), ('schedule', lambda c: c['schedule']),
+      ('remat', lambda c: c['remat']),
+      ('predicted step ms', lambda c: f"{c['step_time_s'] * 1e3:.3g}"),
+      ('bubble', lambda c: f"{c['bubble']:.3f}" if 'bubble' in c else '-'),
+      ('fullest device MB', lambda c: (f"{c['memory_bytes'] / 2**20:.1f}" if 'memory_bytes' in c
+                                       else f'over {cap / 2**20:.0f}')),
+      ('why', Why)])
 
 
 if __name__ == '__main__':

@@ -27,6 +27,7 @@ import os
 from absl import flags
 import bench_utils
 from lingvo_gpipe import binaries
+from lingvo_gpipe.core import schedule as schedule_lib
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', 'transformer', "'mlp', 'transformer' or a registry key (e.g. "
@@ -38,7 +39,7 @@ flags.DEFINE_integer('rows', 16, 'Batch rows (sequences) of the built-in model.'
 flags.DEFINE_integer('seq_len', 64, 'Sequence length of the built-in Transformer.')
 flags.DEFINE_list('stages', ['2', '4'], 'K values.')
 flags.DEFINE_list('micro_batches', ['1', '8'], 'M values.')
-flags.DEFINE_enum('schedule', 'gpipe', ['gpipe', '1f1b'], 'Pipeline schedule.')
+flags.DEFINE_enum('schedule', 'gpipe', list(schedule_lib.SCHEDULE_NAMES), 'Pipeline schedule.')
 flags.DEFINE_enum('remat', 'always', ['always', 'except_last', 'never'], 'Re-materialization.')
 flags.DEFINE_integer('steps', 3, 'Timed steps per point (median).')
 flags.DEFINE_integer('bubble_steps', 3, 'Measured steps per point (the median bubble is kept).')

@@ -13,9 +13,14 @@
    activations: the micro-batches in flight (schedule.py: M for fill-drain, up
    to K for 1F1B) times the stage input with re-materialization, or times the
    stage's activations without, plus one micro-batch's activations for the
-   step running. The plan is the contiguous split minimising the slowest stage
-   among those whose every stage fits the cap (then the most even one, as
-   partition.Balance does), and the simulator predicts its step.
+   step running; a zero-bubble schedule's pending weight gradients (B ran, W
+   not yet) each hold up to a micro-batch's activations too. The plan is the
+   contiguous split minimising the slowest stage among those whose every stage
+   fits the cap (then the most even one, as partition.Balance does), and the
+   simulator predicts its step (a split B and W take half the backward each,
+   B also the recompute).
+   ChoosePlan also picks M, the schedule and remat: the candidate with the
+   best predicted step time that fits, next to the others and why they lost.
 3. Save and load the plan as JSON; ApplyPlan cuts the pipelines of a params
    tree by it (the trainer's --balance_file), through core/pipeline_params.
 """
@@ -38,10 +43,15 @@ PLAN_FORMAT = 'lingvo_gpipe.balance_plan.v1'
 # -- planning (no TensorFlow) --------------------------------------------------------------
 
 
-def _InFlight(schedule, num_stages, num_micro_batches):
-  """Most micro-batches any stage holds between forward and backward under `schedule`."""
+# Schedules a plan can take: one chunk per device, as the plan's stages are.
+PLANNABLE_SCHEDULES = ('gpipe', '1f1b', 'zb_h1', 'zb_h2')
+
+
+def _Held(schedule, num_stages, num_micro_batches):
+  """(most micro-batches any stage holds between forward and input gradient, most pending
+  weight gradients) under `schedule`."""
   orders = simulator.Orders(schedule, num_stages, num_micro_batches)
-  return int(orders.MaxInFlight().max())
+  return int(orders.MaxInFlight().max()), int(orders.MaxPendingWeightGrads().max())
 
 
 def _Prefix(values):
@@ -51,7 +61,7 @@ def _Prefix(values):
 class _StageModel:
   """Time and memory of a stage holding layers j..i-1, vectorized over j."""
 
-  def __init__(self, profiles, in_flight, remat, optimizer_slots):
+  def __init__(self, profiles, held, remat, optimizer_slots):
     if remat not in gpipe.REMAT_MODES:
       raise ValueError(f'Unknown remat {remat!r}; expected one of {list(gpipe.REMAT_MODES)}.')
     self._forward = _Prefix([p.forward_s for p in profiles])
@@ -59,7 +69,7 @@ class _StageModel:
     self._params = _Prefix([p.param_bytes for p in profiles])
     self._acts = _Prefix([p.activation_bytes for p in profiles])
     self._inputs = np.array([p.input_bytes for p in profiles], np.float64)
-    self._in_flight = in_flight
+    self._in_flight, self._pending = held
     self._remat = remat
     self._model_factor = 2 + optimizer_slots
 
@@ -70,6 +80,13 @@ class _StageModel:
     """Backward seconds, with the recomputed forward when the stage re-materializes."""
     backward = self._backward[i] - self._backward[j]
     return backward + (self.Forward(j, i) if self._remat != 'never' else 0.0)
+
+  def InputGrad(self, j, i):
+    """A split B: the recompute (with remat) and half the backward."""
+    return self.Backward(j, i) - self.WeightGrad(j, i)
+
+  def WeightGrad(self, j, i):
+    return (self._backward[i] - self._backward[j]) / 2
 
   def Time(self, j, i):
     return self.Forward(j, i) + self.Backward(j, i)
@@ -83,6 +100,7 @@ class _StageModel:
       activations = self._in_flight * inputs + acts
     else:  # except_last: the last micro-batch keeps all of its activations.
       activations = (self._in_flight - 1) * inputs + 2 * acts
+    activations = activations + self._pending * acts
     return self._model_factor * (self._params[i] - self._params[j]) + activations
 
 
@@ -152,8 +170,8 @@ def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='a
   if len(units) < num_stages:
     raise ValueError(f'Cannot split {len(units)} layers (after keeping {sorted(glued)} with '
                      f'the layer before) into {num_stages} stages.')
-  in_flight = _InFlight(schedule, num_stages, num_micro_batches)
-  model = _StageModel(units, in_flight, remat, optimizer_slots)
+  model = _StageModel(units, _Held(schedule, num_stages, num_micro_batches), remat,
+                      optimizer_slots)
   cap = np.inf if memory_cap_bytes is None else float(memory_cap_bytes)
   ends = _Ends(units, num_stages, model, cap)
   if ends is None:
@@ -190,8 +208,9 @@ class Plan:
     return [p.name for p in self.layers]
 
   def _Model(self):
-    in_flight = _InFlight(self.schedule, self.num_stages, self.num_micro_batches)
-    return _StageModel(self.layers, in_flight, self.remat, self.optimizer_slots)
+    return _StageModel(self.layers, _Held(self.schedule, self.num_stages,
+                                          self.num_micro_batches),
+                       self.remat, self.optimizer_slots)
 
   def _Bounds(self):
     return list(zip([0] + self.ends[:-1], self.ends))
@@ -210,9 +229,11 @@ class Plan:
   def Predict(self):
     """simulator.Prediction of one step with the planned stages."""
     forward, backward = self.StageCosts()
+    model = self._Model()
     return simulator.Simulate(
         simulator.Orders(self.schedule, self.num_stages, self.num_micro_batches), forward,
-        backward)
+        backward, input_grad_cost=[float(model.InputGrad(j, i)) for j, i in self._Bounds()],
+        weight_grad_cost=[float(model.WeightGrad(j, i)) for j, i in self._Bounds()])
 
   def Stages(self):
     """Per stage: its layer names, seconds and bytes (what tools print)."""
@@ -246,6 +267,65 @@ class Plan:
                schedule=data['schedule'], remat=data['remat'],
                optimizer_slots=data['optimizer_slots'],
                memory_cap_bytes=data['memory_cap_bytes'])
+
+
+def _Scaled(profiles, factor):
+  """Profiles at `factor` times the rows: time and activations taken as linear in the rows
+  (small micro-batches run less efficiently than this assumes)."""
+  return [dataclasses.replace(p, forward_s=p.forward_s * factor, backward_s=p.backward_s * factor,
+                              input_bytes=int(p.input_bytes * factor),
+                              activation_bytes=int(p.activation_bytes * factor))
+          for p in profiles]
+
+
+def ChoosePlan(profiles, num_stages, batch_size, profiled_rows, memory_cap_bytes=None,
+               micro_batches=None, schedules=PLANNABLE_SCHEDULES, remats=gpipe.REMAT_MODES,
+               optimizer_slots=2, glued=(), source=''):
+  """(best Plan, candidates): the split, M, schedule and remat with the best predicted step
+  time among those whose every device fits memory_cap_bytes.
+
+  Args:
+    profiles: LayerProfiles measured at `profiled_rows` rows per micro-batch.
+    num_stages: K.
+    batch_size: rows of a whole batch (per replica); M must divide it.
+    memory_cap_bytes, optimizer_slots, glued, source: as MakePlan's.
+    micro_batches: the Ms to try; default every divisor of batch_size up to 64.
+    schedules, remats: the schedules and re-materialization modes to try.
+
+  Returns:
+    The best Plan, and every candidate as a dict (num_micro_batches, schedule,
+    remat, step_time_s, bubble, memory_bytes of the fullest device, or
+    why=the reason it does not fit), fastest first.
+
+  Raises:
+    ValueError: if no candidate fits.
+  """
+  micro_batches = micro_batches or [m for m in range(1, min(batch_size, 64) + 1)
+                                    if batch_size % m == 0]
+  candidates, plans = [], {}
+  for m in micro_batches:
+    scaled = _Scaled(profiles, batch_size / m / profiled_rows)
+    for schedule in schedules:
+      for remat in remats:
+        key = dict(num_micro_batches=m, schedule=schedule, remat=remat)
+        try:
+          plan = MakePlan(scaled, num_stages, m, schedule, remat, memory_cap_bytes,
+                          optimizer_slots, glued, source)
+        except ValueError as e:
+          candidates.append(dict(key, step_time_s=np.inf, why=str(e)))
+          continue
+        prediction = plan.Predict()
+        plans[(m, schedule, remat)] = plan
+        candidates.append(dict(key, step_time_s=prediction.step_time,
+                               bubble=prediction.bubble_fraction,
+                               memory_bytes=max(plan.StageMemory())))
+  candidates.sort(key=lambda c: (c['step_time_s'], c.get('memory_bytes', np.inf)))
+  if not plans:
+    raise ValueError(f'No M in {micro_batches}, schedule in {list(schedules)} or remat in '
+                     f'{list(remats)} fits memory_cap_bytes={memory_cap_bytes}: '
+                     f"{candidates[0]['why']}")
+  best = candidates[0]
+  return plans[(best['num_micro_batches'], best['schedule'], best['remat'])], candidates
 
 
 def LoadPlan(path):
