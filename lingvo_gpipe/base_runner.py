@@ -144,18 +144,24 @@ class PipelineStats:
     training step (Learner.BuildMeasuredStep).
   trace_dir: if set, each measured step's Chrome trace goes to
     <trace_dir>/pipeline_trace_<step>.json.
+  device_names: {(replica, stage): device name}, the trace's track names.
+
+  The first measured step traces and first runs its function: its times are
+  not written (they would show as a spike); statistics start at the second.
   """
   every: int
   step_fn: object
   trace_dir: str = ''
+  device_names: dict = dataclasses.field(default_factory=dict)
 
 
-def _WritePipelineStats(writer, step, timeline, trace_dir):
+def _WritePipelineStats(writer, step, timeline, stats):
   summary = pipeline_stats_lib.Summarize(timeline)
   WriteScalars(writer, step, summary.Scalars())
-  if trace_dir:
+  if stats.trace_dir:
     pipeline_stats_lib.WriteChromeTrace(
-        os.path.join(trace_dir, f'pipeline_trace_{step}.json'), timeline)
+        os.path.join(stats.trace_dir, f'pipeline_trace_{step}.json'), timeline,
+        stats.device_names)
   logging.info('step %d pipeline (%s, K=%d, M=%d): bubble %.3f measured, %.3f simulated with '
                'the measured stage and hand-over times, %.3f in theory; %.4f s', step,
                summary.schedule, summary.num_stages, summary.num_micro_batches,
@@ -180,7 +186,12 @@ class _Progress:
       self._seconds += seconds
 
   def Speed(self, steps, seconds):
-    """step_time and examples_per_second of one loop call."""
+    """step_time and examples_per_second of one loop call, or of the calls so far (after the
+    first) when steps is None."""
+    if steps is None:
+      if not self._steps:
+        return {}
+      steps, seconds = self._steps, self._seconds
     speed = {'step_time': seconds / steps}
     if self._batch_size:
       speed['examples_per_second'] = self._batch_size * steps / seconds
@@ -227,6 +238,7 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
   s = settings
   step = int(global_step.numpy())
   progress = _Progress(s.max_steps, batch_size)
+  measured_before = False
   while step < s.max_steps and not (stop and stop.Stopped()):
     # Loops end at checkpoint steps, so checkpoints land on multiples of the interval.
     to_save = s.save_interval_steps - step % s.save_interval_steps
@@ -253,19 +265,23 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
                            f'{checkpointer.latest or "none"}.')
     if not measure:  # A measured step's time includes tracing it and the timing ops.
       progress.Record(new_step - step, seconds)
-    speed = progress.Speed(new_step - step, seconds)
+    speed = progress.Speed(None if measure else new_step - step, seconds)
     if _Crossed(step, new_step, s.summary_interval_steps):
       scalars = {name: value for name, (value, _) in out.metrics.items()}
       scalars.update(learning_rate=out.learning_rate, grad_norm=out.grad_norm, **speed)
       WriteScalars(writer, new_step, scalars)
-    if measure:
-      _WritePipelineStats(writer, new_step, timeline, pipeline_stats.trace_dir)
+    if measure and measured_before:
+      _WritePipelineStats(writer, new_step, timeline, pipeline_stats)
+    elif measure:
+      logging.info('step %d: the first measured step traced its function; pipeline statistics '
+                   'start at step %d.', new_step, new_step + pipeline_stats.every)
+      measured_before = True
     if _Crossed(step, new_step, s.log_interval_steps):
       examples = (f'  {speed["examples_per_second"]:.1f} examples/s'
                   if 'examples_per_second' in speed else '')
-      logging.info('step %d/%s  loss %.5g%s  %.4f s/step  time left %s', new_step,
-                   s.max_steps, float(out.loss), examples, speed['step_time'],
-                   progress.TimeLeft(new_step))
+      step_time = f"  {speed['step_time']:.4f} s/step" if speed else ''
+      logging.info('step %d/%s  loss %.5g%s%s  time left %s', new_step, s.max_steps,
+                   float(out.loss), examples, step_time, progress.TimeLeft(new_step))
     step = new_step
     if step % s.save_interval_steps == 0:
       checkpointer.Save()

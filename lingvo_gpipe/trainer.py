@@ -58,6 +58,7 @@ from lingvo_gpipe import model_registry
 from lingvo_gpipe import pipeline_check
 from lingvo_gpipe import preemption
 from lingvo_gpipe import run_lock
+from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import pipeline_params
 from lingvo_gpipe.core import planner
 from lingvo_gpipe.core import py_utils
@@ -275,14 +276,25 @@ def _ApplyBalanceFile(task_params, path):
                     ', '.join(changes))
 
 
-def _PipelineStats(learner, forward_backward_fn, train_dir):
+def _DeviceNames(task):
+  """{(replica, stage): device name} of the task's pipeline, for trace tracks; {} unless it
+  has exactly one."""
+  pipes = [m for m in task.submodules if isinstance(m, gpipe.PipeliningLayer)]
+  if len(pipes) != 1:
+    return {}
+  pipe, = pipes
+  k = pipe.num_stages
+  return {(r, s): pipe.devices[r * k + s] for r in range(pipe.num_replicas) for s in range(k)}
+
+
+def _PipelineStats(task, learner, forward_backward_fn, train_dir):
   """base_runner.PipelineStats of --pipeline_stats_every, or None when it is 0."""
   _CheckFlagsAtLeast(0, 'pipeline_stats_every')
   every = FLAGS.pipeline_stats_every
   if not every:
     return None
   return base_runner.PipelineStats(every, learner.BuildMeasuredStep(forward_backward_fn),
-                                   train_dir)
+                                   train_dir, _DeviceNames(task))
 
 
 def RunTrainer(model_params, logdir, input_device=None, stop=None):
@@ -338,7 +350,7 @@ def _Train(model_params, train_dir, logdir, input_device, stop):
       log_interval_steps=t.log_interval_steps)
   step = base_runner.RunTraining(loop_fn, iterator, global_step, checkpointer, writer,
                                  settings, base_runner.BatchSize(dataset.element_spec),
-                                 _PipelineStats(learner, ForwardBackward, train_dir), stop)
+                                 _PipelineStats(task, learner, ForwardBackward, train_dir), stop)
   if stop:
     stop.Check(step, checkpointer.latest)
   logging.info('Trained to step %d. Latest checkpoint: %s; TensorBoard: tensorboard --logdir=%s',

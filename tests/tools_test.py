@@ -39,9 +39,11 @@ def _TinyArgs(tmp):
       'plan_balance': ['--model=mlp', '--layers=4', '--width=32', '--hidden=64', '--rows=16',
                        '--stages=2', '--micro_batches=2', '--repeats=1', f'--out={tmp}/plan.json'],
       'cluster_benchmark': ['--layers=2', '--width=32', '--hidden=64', '--rows=64',
-                            '--micro_batches=1,2', '--calls=1', '--steps_per_call=1',
+                            '--micro_batches=1,2', '--schedules=gpipe,zb_h1', '--calls=1',
+                            '--steps_per_call=1',
                             '--bubble_steps=1', '--nopin_workers'],
-      'simulate_schedule': ['--stages=2,4', '--micro_batches=4', '--schedules=gpipe,1f1b',
+      'simulate_schedule': ['--stages=2,4', '--micro_batches=4',
+                            '--schedules=gpipe,1f1b,zb_h1,zbv',
                             f'--trace_out={tmp}/sim.json'],
   }
 
@@ -162,24 +164,32 @@ def testPlanBalance(runs):
 def testSimulateSchedule(runs):
   results, _, _ = _Output(runs, 'simulate_schedule')
   assert [(r['schedule'], r['stages']) for r in results] == [
-      ('gpipe', 2), ('gpipe', 4), ('1f1b', 2), ('1f1b', 4)]
-  for r in results:  # Uniform costs: the bubble is the theory's.
-    assert r['bubble'] == pytest.approx(r['theory'])
-  assert [r['max_in_flight'] for r in results] == [4, 4, 2, 4]
+      (name, k) for name in ('gpipe', '1f1b', 'zb_h1', 'zbv') for k in (2, 4)]
+  for r in results:  # Uniform costs (B and W half the backward): the unit-cost bubble.
+    v = 2 if r['schedule'] == 'zbv' else 1
+    expected = schedule.Schedule(r['schedule'], r['stages'], 4, v)
+    assert r['bubble'] == pytest.approx(expected.BubbleFraction())
+    assert r['max_in_flight'] == max(expected.MaxInFlight(k) for k in range(r['stages']))
   with open(os.path.join(runs['simulate_schedule'][1], 'sim.json')) as f:
     assert len([e for e in json.load(f)['traceEvents'] if e['ph'] == 'X']) == 2 * 2 * 4
+  # A trace over the size limit is refused before anything is written.
+  proc = _Start('simulate_schedule', '--stages=64', '--micro_batches=512',
+                '--trace_out=/nonexistent/t.json', '--trace_max_actions=1000')
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 1 and 'over --trace_max_actions=1000' in err, err[-2000:]
 
 
 def testClusterBenchmark(runs):
   summary, table, err = _Output(runs, 'cluster_benchmark')
-  assert [p['micro_batches'] for p in summary['pipelines']] == [1, 2] and len(table) == 4
-  # Baselines before M=1, between M=1 and M=2, after M=2; each M takes the faster neighbour.
+  cases = [(p['schedule'], p['micro_batches']) for p in summary['pipelines']]
+  assert cases == [('gpipe', 1), ('gpipe', 2), ('zb_h1', 1), ('zb_h1', 2)] and len(table) == 6
+  # A baseline before the first case and after each; each takes the faster neighbour.
   baseline_s = [b['step_s'] for b in summary['baselines']]
-  assert len(baseline_s) == 3 and min(baseline_s) > 0
-  assert [p['baseline_s'] for p in summary['pipelines']] == [min(baseline_s[:2]),
-                                                             min(baseline_s[1:])]
+  assert len(baseline_s) == 5 and min(baseline_s) > 0
+  assert [p['baseline_s'] for p in summary['pipelines']] == [
+      min(baseline_s[i:i + 2]) for i in range(4)]
   for point in summary['pipelines']:
     assert point['step_s'] > 0 and 0 <= point['bubble'] <= 1
     assert point['bubble_theory'] == pytest.approx(
-        schedule.TheoreticalBubble(2, point['micro_batches']))
-  assert '[5/5]' in err  # Progress: 3 baselines and 2 pipelines.
+        schedule.Schedule(point['schedule'], 2, point['micro_batches']).BubbleFraction())
+  assert '[9/9]' in err  # Progress: 5 baselines and 4 pipelines.

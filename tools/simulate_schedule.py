@@ -5,13 +5,20 @@ measured stage costs (--plan, tools/plan_balance.py), optionally scaled to
 other hardware (--speedup); --transfer_ms adds a hand-over per stage boundary.
 For each schedule and (K, M) it prints the predicted step time, bubble (and
 the unit-cost theory), micro-batches in flight and peak activation memory per
-device, and the seconds the simulation took (numpy; K=1024, M=8192 in seconds).
+device, and the seconds the orders and the simulation took (numpy; fill-drain at
+K=1024, M=8192 in about half a minute, most of it building the orders). The
+zero-bubble orders come from a greedy run in Python: keep them to K x M of a
+few tens of thousands (K=64, M=512 takes seconds). Schedules with two chunks
+per device (interleaved_1f1b, zbv) split each stage's costs between its chunks.
 
   python tools/simulate_schedule.py --stages=1024 --micro_batches=8192
+  python tools/simulate_schedule.py --schedules=1f1b,zb_h1,zb_h2,zbv,interleaved_1f1b \
+      --stages=4,8 --micro_batches=8,32
   python tools/simulate_schedule.py --plan=/tmp/balance_plan.json --micro_batches=4,16,64 \
       --trace_out=/tmp/sim_trace.json
 """
 
+import sys
 import time
 
 from absl import flags
@@ -23,7 +30,8 @@ from lingvo_gpipe.core import simulator
 FLAGS = flags.FLAGS
 flags.DEFINE_list('stages', ['4', '64', '1024'], 'K values (ignored with --plan).')
 flags.DEFINE_list('micro_batches', ['16', '512', '8192'], 'M values.')
-flags.DEFINE_list('schedules', list(schedule_lib.SCHEDULE_NAMES), 'Schedules.')
+flags.DEFINE_list('schedules', ['gpipe', '1f1b'],
+                  f'Schedules, of {list(schedule_lib.SCHEDULE_NAMES)}.')
 flags.DEFINE_float('forward_ms', 1.0, 'Forward time of a micro-batch per stage.')
 flags.DEFINE_float('backward_ms', 2.0, 'Backward time (with any recompute) per stage.')
 flags.DEFINE_string('plan', None, 'A balance plan whose stage costs replace the uniform ones.')
@@ -32,7 +40,9 @@ flags.DEFINE_float('transfer_ms', 0.0, 'Hand-over time per stage boundary.')
 flags.DEFINE_float('activation_mb', 1.0,
                    'MiB a stage keeps per micro-batch in flight (ignored with --plan: its '
                    'stage inputs).')
-flags.DEFINE_string('trace_out', None, 'Chrome trace of the first (smallest) prediction.')
+flags.DEFINE_string('trace_out', None, 'Chrome trace of the first prediction.')
+flags.DEFINE_integer('trace_max_actions', 200_000,
+                     'Refuse a --trace_out of more actions (about 200 bytes each).')
 flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
 
 
@@ -50,14 +60,31 @@ def _Cases():
           for k in FLAGS.stages for m in ms]
 
 
+def _Chunks(cost, v):
+  """A stage's cost (uniform, or per stage with v = 1) as each of its v chunks' cost."""
+  return cost if isinstance(cost, list) else cost / v
+
+
 def main(argv):
   del argv
   cases = [(name,) + case for name in FLAGS.schedules for case in _Cases()]
+  if FLAGS.trace_out:
+    _, k, m = cases[0][:3]
+    actions = 3 * k * m * bench_utils.VIRTUAL_STAGES.get(cases[0][0], 1)
+    if actions > FLAGS.trace_max_actions:
+      sys.exit(f'simulate_schedule: error: the trace of {cases[0][0]} K={k} M={m} would hold up '
+               f'to {actions} actions (over --trace_max_actions={FLAGS.trace_max_actions}, '
+               f'about {actions * 200 / 2**20:.0f} MB); trace a smaller case first.')
   results = []
   for i, (name, k, m, forward, backward, kept) in enumerate(cases, 1):
+    v = bench_utils.VIRTUAL_STAGES.get(name, 1)
+    if v > 1 and FLAGS.plan:
+      sys.exit(f'simulate_schedule: error: {name} runs {v} chunks per device; a balance plan '
+               'has one per stage.')
     start = time.perf_counter()
-    prediction = simulator.Simulate(simulator.Orders(name, k, m), forward, backward,
-                                    transfer_cost=FLAGS.transfer_ms, activation_bytes=kept)
+    prediction = simulator.Simulate(simulator.Orders(name, k, m, v), _Chunks(forward, v),
+                                    _Chunks(backward, v), transfer_cost=FLAGS.transfer_ms,
+                                    activation_bytes=kept)
     seconds = time.perf_counter() - start
     results.append(dict(schedule=name, stages=k, micro_batches=m,
                         step_ms=prediction.step_time, bubble=prediction.bubble_fraction,
@@ -75,7 +102,7 @@ def main(argv):
       ('schedule', lambda r: r['schedule']), ('K', lambda r: r['stages']),
       ('M', lambda r: r['micro_batches']), ('step ms', lambda r: f"{r['step_ms']:.1f}"),
       ('bubble', lambda r: f"{r['bubble']:.4f}"),
-      ('(K-1)/(M+K-1)', lambda r: f"{r['theory']:.4f}"),
+      ('fill-drain (K-1)/(M+K-1)', lambda r: f"{r['theory']:.4f}"),
       ('max in flight', lambda r: r['max_in_flight']),
       ('peak activation MB/device', lambda r: f"{r['peak_activation_mb']:.1f}"),
       ('orders + simulation s', lambda r: f"{r['simulate_s']:.2f}")])
