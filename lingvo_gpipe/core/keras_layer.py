@@ -22,9 +22,9 @@ What Keras would do with state, this layer does the way the pipeline needs it:
   * Any other update of a non-trainable variable in `call()` is an error: the
     pipeline could not apply it once per step.
 
-Initial values are those of the Keras layer's initializers, drawn from a seed of
-this layer's path (Keras's unseeded initializers) so that they do not depend on
-Keras's global random state or on where a pipeline cuts the model.
+Initial values are those of the Keras layer's initializers; the seeds Keras
+draws for unseeded ones derive from this layer's path, so the values do not
+depend on Keras's or Python's random state or on where a pipeline cuts the model.
 
 Mixed precision: the Keras layer computes in its dtype policy's compute dtype,
 and that is this layer's fprop_dtype. A layer made under a mixed policy (e.g.
@@ -35,10 +35,10 @@ given the 'mixed_<dtype>' policy. Variables stay in their dtype.
 
 import contextlib
 import math
+import random
 import re
 
 import keras
-from keras.src.backend.common import global_state
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
@@ -46,26 +46,20 @@ from lingvo_gpipe.core import py_utils
 
 # Keras's SeedGenerator names its state variable so (keras.random.SeedGenerator).
 _SEED_STATE_NAME = 'seed_generator_state'
-# Where Keras keeps the SeedGenerator of its unseeded random ops and initializers.
-_KERAS_GLOBAL_SEED_GENERATOR = 'global_seed_generator'
 _MIXED_POLICIES = {'float16': 'mixed_float16', 'bfloat16': 'mixed_bfloat16'}
 
 
 @contextlib.contextmanager
 def _KerasInitSeed(seed):
-  """Keras's unseeded initializers draw from a generator seeded by `seed` in this scope.
-
-  Keras keeps that generator in its global state and has no public setting for it
-  but keras.utils.set_random_seed, which also reseeds Python, NumPy and TensorFlow:
-  here it is swapped for the scope only and restored, also on error.
-  """
-  previous = global_state.get_global_attribute(_KERAS_GLOBAL_SEED_GENERATOR)
-  global_state.set_global_attribute(_KERAS_GLOBAL_SEED_GENERATOR,
-                                    keras.random.SeedGenerator(seed))
+  """Keras's unseeded initializers and random layers draw their seeds from Python's
+  `random` when they are made: in this scope it is seeded by `seed`; its state is
+  restored afterwards, also on error."""
+  state = random.getstate()
+  random.seed(seed)
   try:
     yield
   finally:
-    global_state.set_global_attribute(_KERAS_GLOBAL_SEED_GENERATOR, previous)
+    random.setstate(state)
 
 
 def _ExampleShape(what, input_shape):
