@@ -63,16 +63,19 @@ class PipelineModel(keras.Model):
     devices: device names, one per stage; None takes the local devices.
     cost: how stages are balanced: 'auto' or 'flops' (an estimate per layer,
       KerasLayer.FPropMeta), 'params', 'time' (measured), or per-layer numbers.
+    jit_compile: compile each cell's forward and backward step with XLA (a whole
+      train step cannot be: it spans the stages' devices).
     input_shape: one example's input shape, if `layers` does not give it; else
       the model is built on its first call.
     **kwargs: keras.Model arguments (name, dtype, trainable).
   """
 
   def __init__(self, layers, num_stages=1, num_micro_batches=1, schedule='gpipe',
-               remat='always', devices=None, cost='auto', input_shape=None, **kwargs):
+               remat='always', devices=None, cost='auto', jit_compile=False, input_shape=None,
+               **kwargs):
     super().__init__(**kwargs)
     # XLA compiles one device's work and a train step spans the stages' devices: Keras
-    # then warns of and ignores compile(jit_compile=True).
+    # then warns of and ignores compile(jit_compile=True); see jit_compile above.
     self.supports_jit = False
     layers, shape = _LayersAndShape(layers)
     if schedule != 'gpipe':
@@ -84,7 +87,8 @@ class PipelineModel(keras.Model):
     self._given_weights = [layer.get_weights() if isinstance(layer, keras.layers.Layer) and
                            layer.built else None for layer in layers]
     self._options = dict(num_stages=num_stages, num_micro_batches=num_micro_batches,
-                         schedule=schedule, remat=remat, devices=devices, cost=cost)
+                         schedule=schedule, remat=remat, devices=devices, cost=cost,
+                         jit_compile=jit_compile)
     self._pipeline = None
     self._output_shape = None
     shape = input_shape if input_shape is not None else shape
@@ -118,7 +122,7 @@ class PipelineModel(keras.Model):
       p = gpipe.PipeliningLayer.Params().Set(
           name='pipeline', cell_tpl=cells, num_micro_batches=opts['num_micro_batches'],
           schedule=opts['schedule'], remat=opts['remat'], devices=opts['devices'],
-          dtype=tf.as_dtype(self.variable_dtype), fprop_dtype=tf.as_dtype(self.compute_dtype))
+          jit_compile=opts['jit_compile'], dtype=tf.as_dtype(self.variable_dtype), fprop_dtype=tf.as_dtype(self.compute_dtype))
       self._pipeline = p.Instantiate()
     self._input_shape = shape
     # Tracked by Keras as this model's layers: their variables are the pipeline's.
