@@ -28,6 +28,8 @@ _TINY_WEIGHT = 1e-9
 
 
 def _WeightedMean(values, weights):
+  """(weighted mean, total weight) in float32, whatever the pipeline's fprop_dtype."""
+  values, weights = tf.cast(values, tf.float32), tf.cast(weights, tf.float32)
   total = tf.reduce_sum(weights)
   return tf.reduce_sum(values * weights) / tf.maximum(total, _TINY_WEIGHT), total
 

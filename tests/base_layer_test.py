@@ -270,3 +270,59 @@ def testTrainingStepIsTheContextsElseTheCallCount():
   assert [int(layer.TrainingStep()) for _ in range(2)] == [0, 1]
   assert int(tf.function(layer.TrainingStep)()) == 2
   assert not any('call_count' in v.name for v in layer.variables)
+
+
+# -- mixed precision: FProp receives theta and inputs in fprop_dtype ----------------------
+
+
+class _ResidualMlp(base_layer.BaseLayer):
+  """The README's layer: no casts of its own."""
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateVariable('w1', py_utils.WeightParams([4, 8]))
+    self.CreateVariable('w2', py_utils.WeightParams([8, 4]))
+    self.CreateVariable('count', py_utils.WeightParams([4], trainable=False))
+
+  def FProp(self, theta, x):
+    self.seen = (theta.w1.dtype, theta.count.dtype, x.dtype)
+    return x + tf.nn.relu(x @ theta.w1) @ theta.w2
+
+
+class _OptedOut(_ResidualMlp):
+  CAST_TO_FPROP_DTYPE = False
+
+  def FProp(self, theta, x):
+    self.seen = (theta.w1.dtype, theta.count.dtype, x.dtype)
+    return x
+
+
+def testFPropGetsTrainableThetaAndFloatInputsInFPropDtype():
+  layer = _ResidualMlp.Params().Set(name='mlp', fprop_dtype=tf.bfloat16).Instantiate()
+  x = tf.random.stateless_normal([3, 4], [1, 2])
+  with tf.GradientTape() as tape:
+    y = layer(x)
+    loss = tf.reduce_sum(tf.cast(y, tf.float32))
+  grads = tape.gradient(loss, [layer.vars.w1, layer.vars.w2])
+  # Moving statistics and other non-trainable state keep their dtype.
+  assert layer.seen == (tf.bfloat16, tf.float32, tf.bfloat16)
+  assert [g.dtype for g in grads] == [tf.float32, tf.float32]
+  w1, w2, xb = (tf.cast(v, tf.bfloat16) for v in (layer.vars.w1, layer.vars.w2, x))
+  np.testing.assert_array_equal(y.numpy(), (xb + tf.nn.relu(xb @ w1) @ w2).numpy())
+  assert all(v.dtype == tf.float32 for v in layer.variables)
+
+
+def testCastLeavesIntegersAndMatchingDtypesAlone():
+  layer = _ResidualMlp.Params().Set(name='mlp', fprop_dtype=tf.bfloat16).Instantiate()
+  ids = tf.constant([1, 2])
+  same = tf.zeros([2], tf.bfloat16)
+  theta, args, kwargs = layer.CastToFPropDtype(layer.theta, (ids, same), {'x': np.ones(2)})
+  assert args[0] is ids and args[1] is same
+  assert kwargs['x'].dtype == tf.bfloat16 and theta.w1.dtype == tf.bfloat16
+  assert isinstance(theta, py_utils.NestedMap) and theta.count is layer.vars.count
+
+
+def testALayerCanOptOutOfTheCast():
+  layer = _OptedOut.Params().Set(name='mlp', fprop_dtype=tf.bfloat16).Instantiate()
+  layer(tf.zeros([2, 4]))
+  assert layer.seen == (tf.float32, tf.float32, tf.float32)

@@ -15,8 +15,10 @@ layer (tf.train.Checkpoint) lists the layers and variables by those names.
 
 import contextlib
 import contextvars
+import functools
 import zlib
 
+import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import hyperparams
@@ -61,8 +63,43 @@ class _CallCounter:
     return self._var.assign_add(1) - 1
 
 
+def _CastsToFPropDtype(fprop):
+  """FProp that first casts theta and floating inputs to the layer's fprop_dtype.
+
+  Only the layer's own trainable variables are cast: its children's theta is
+  cast by the children when they run, so a gradient taken through the call (a
+  pipeline's, an optimizer's) stays in the variables' dtype; non-trainable
+  state such as moving statistics keeps its precision.
+  """
+
+  @functools.wraps(fprop)
+  def FProp(self, theta, *args, **kwargs):
+    if self.CAST_TO_FPROP_DTYPE:
+      theta, args, kwargs = self.CastToFPropDtype(theta, args, kwargs)
+    return fprop(self, theta, *args, **kwargs)
+
+  FProp.casts_to_fprop_dtype = True
+  return FProp
+
+
 class BaseLayer(tf.Module):
-  """Base class of all layers."""
+  """Base class of all layers.
+
+  Mixed precision is done here, once for every layer: the FProp of every
+  subclass is wrapped so that it receives its trainable theta and floating
+  inputs in `fprop_dtype` (CastToFPropDtype), while the variables and their
+  gradients stay in `dtype`. A layer that handles dtypes itself sets the class
+  attribute CAST_TO_FPROP_DTYPE = False.
+  """
+
+  # False for a layer whose FProp takes theta and inputs in the dtypes they come in.
+  CAST_TO_FPROP_DTYPE = True
+
+  def __init_subclass__(cls, **kwargs):
+    super().__init_subclass__(**kwargs)
+    fprop = cls.__dict__.get('FProp')
+    if fprop is not None and not getattr(fprop, 'casts_to_fprop_dtype', False):
+      cls.FProp = _CastsToFPropDtype(fprop)
 
   @classmethod
   def Params(cls):
@@ -254,6 +291,28 @@ class BaseLayer(tf.Module):
   def theta(self):
     """The values FProp reads: by default the variables themselves."""
     return self.vars
+
+  def CastToFPropDtype(self, theta, args, kwargs):
+    """(theta, args, kwargs) as FProp receives them: this layer's trainable floating
+    variables in theta and every floating tensor or array in args and kwargs cast to
+    fprop_dtype; everything else as given."""
+    dtype = tf.as_dtype(self.fprop_dtype)
+
+    def Cast(x):
+      if isinstance(x, (tf.Tensor, tf.Variable, np.ndarray)):
+        x_dtype = tf.as_dtype(x.dtype)
+        if x_dtype.is_floating and x_dtype != dtype:
+          return tf.cast(x, dtype)
+      return x
+
+    if isinstance(theta, dict):
+      own = [name for name, var in self._variables_dict.items()
+             if var.trainable and name in theta]
+      if own:
+        theta = type(theta)(theta)
+        for name in own:
+          theta[name] = Cast(theta[name])
+    return theta, tf.nest.map_structure(Cast, args), tf.nest.map_structure(Cast, kwargs)
 
   def ToFPropDtype(self, value):
     """Casts floating tensors (theta or activations) to the activation dtype."""

@@ -182,7 +182,8 @@ class CellFunctions:
     self._layer = layer
     self._chunk = chunk
     self._device = device
-    options = dict(autograph=False, experimental_attributes={'_noinline': True})
+    options = dict(autograph=False, experimental_attributes={'_noinline': True},
+                   jit_compile=layer.params.jit_compile)
     self._forward = py_utils.DistinctFunction(self._Forward, **options)
     self._backward = py_utils.DistinctFunction(self._Backward, **options)
     self._first_backward = py_utils.DistinctFunction(self._FirstBackward, **options)

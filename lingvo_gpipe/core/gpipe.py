@@ -119,6 +119,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('num_replicas', 1,
              'R data-parallel copies of the pipeline, each on 1/R of the batch; `devices` then '
              'lists R x K devices, replica r stage k at devices[r * K + k].')
+    p.Define('jit_compile', False,
+             "Compile each cell's forward and backward step with XLA (placement and the "
+             'pipeline between the steps stay outside the compiled functions).')
     return p
 
   def __init__(self, params):

@@ -909,11 +909,7 @@ class BatchNormLayer(base_layer.BaseLayer):
 
   def CombineUpdates(self, stats_list):
     """The exact mean and biased variance of the union of the batches."""
-    count = tf.add_n([s.count for s in stats_list])
-    mean = tf.add_n([s.count * s.mean for s in stats_list]) / count
-    variance = tf.add_n([s.count * (s.variance + tf.square(s.mean - mean))
-                         for s in stats_list]) / count
-    return py_utils.NestedMap(mean=mean, variance=variance, count=count)
+    return py_utils.CombineMoments(stats_list)
 
   def ApplyUpdate(self, stats):
     decay = self.params.decay

@@ -301,6 +301,16 @@ def BatchUniform(layer_seed, step, like):
   return tf.transpose(noise, tf.argsort(perm)) if where.batch_dim else noise
 
 
+def CombineMoments(stats_list):
+  """NestedMap(mean, variance, count) of the union of batches, each given as such a map
+  (count: the examples each statistic is over); variances are biased, as tf.nn.moments'."""
+  count = tf.add_n([s.count for s in stats_list])
+  mean = tf.add_n([s.count * s.mean for s in stats_list]) / count
+  variance = tf.add_n([s.count * (s.variance + tf.square(s.mean - mean))
+                       for s in stats_list]) / count
+  return NestedMap(mean=mean, variance=variance, count=count)
+
+
 def DistinctFunction(fn=None, **kwargs):
   """tf.function(fn, **kwargs), also as a decorator, whose traces TensorFlow's retracing
   warning counts apart.

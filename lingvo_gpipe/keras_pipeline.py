@@ -1,0 +1,158 @@
+"""PipelineModel: a Keras model whose layers run as a GPipe pipeline.
+
+    model = keras.Sequential([keras.Input((64,)), ...])  # An existing model, or a layer list.
+    pipe = keras_pipeline.PipelineModel(model, num_stages=4, num_micro_batches=8)
+    pipe.compile(optimizer='adam', loss='mse')
+    pipe.fit(x, y, batch_size=64, epochs=10)
+
+The layers are cut into `num_stages` balanced cells on as many devices
+(gpipe.PartitionSequentialLayers), each batch into `num_micro_batches`, and the
+backward pass re-computes each cell's forward instead of storing activations.
+Each layer runs as a KerasLayer (core/keras_layer.py) built from its config and
+starting from its weights if it has any, so the given layers are copied, not
+shared: read the trained weights from this model.
+
+It is a keras.Model: compile, fit (with callbacks and validation data),
+evaluate, predict, save and keras.models.load_model, export, and get_weights /
+set_weights, which list the weights in the order a keras.Sequential of the same
+layers does, so weights move between the two. Training it gives the same losses
+and weights as the Keras model unpipelined, up to float rounding; Dropout masks
+come from the step and each example's position (KerasLayer), not from Keras's
+random state, so they match the unpipelined model with the same masks.
+
+Every batch must have the same static size, divisible by num_micro_batches: make
+the number of examples a multiple of batch_size, or batch a tf.data.Dataset with
+drop_remainder=True. With a Keras mixed-precision policy (e.g.
+keras.mixed_precision.set_global_policy('mixed_bfloat16')) the layers compute in
+its compute dtype and the weights stay float32.
+"""
+
+import keras
+import tensorflow as tf
+
+from lingvo_gpipe.core import gpipe
+from lingvo_gpipe.core import keras_layer
+from lingvo_gpipe.core import py_utils
+
+
+def _LayersAndShape(layers):
+  """(layers, one example's input shape or None) of a Sequential or a layer list."""
+  if isinstance(layers, keras.Sequential):
+    shape = tuple(layers.inputs[0].shape[1:]) if layers.built and layers.inputs else None
+    return list(layers.layers), shape
+  if not isinstance(layers, (list, tuple)) or not layers:
+    raise ValueError(f'PipelineModel takes a keras.Sequential or a non-empty list of Keras '
+                     f'layers; got {type(layers).__name__} {layers!r}.')
+  layers = list(layers)
+  if isinstance(layers[0], keras.KerasTensor):  # keras.Input(shape), as in a Sequential.
+    return layers[1:], tuple(layers[0].shape[1:])
+  return layers, None
+
+
+@keras.saving.register_keras_serializable(package='lingvo_gpipe')
+class PipelineModel(keras.Model):
+  """A keras.Model running a sequence of Keras layers as a GPipe pipeline (module doc).
+
+  Args:
+    layers: a keras.Sequential, or a list of Keras layers (optionally starting
+      with keras.Input(shape)), or their keras.layers.serialize() configs.
+    num_stages: K, the number of cells and devices.
+    num_micro_batches: M, the micro-batches each batch is split into.
+    schedule: 'gpipe' (fill-drain), the schedule of a differentiated forward.
+    remat: re-materialization, 'always', 'except_last' or 'never'.
+    devices: device names, one per stage; None takes the local devices.
+    cost: how stages are balanced: 'auto' or 'flops' (an estimate per layer,
+      KerasLayer.FPropMeta), 'params', 'time' (measured), or per-layer numbers.
+    jit_compile: compile each cell's forward and backward step with XLA (a whole
+      train step cannot be: it spans the stages' devices).
+    input_shape: one example's input shape, if `layers` does not give it; else
+      the model is built on its first call.
+    **kwargs: keras.Model arguments (name, dtype, trainable).
+  """
+
+  def __init__(self, layers, num_stages=1, num_micro_batches=1, schedule='gpipe',
+               remat='always', devices=None, cost='auto', jit_compile=False, input_shape=None,
+               **kwargs):
+    super().__init__(**kwargs)
+    # XLA compiles one device's work and a train step spans the stages' devices: Keras
+    # then warns of and ignores compile(jit_compile=True); see jit_compile above.
+    self.supports_jit = False
+    layers, shape = _LayersAndShape(layers)
+    if schedule != 'gpipe':
+      raise ValueError(f"PipelineModel schedule {schedule!r} is not supported: Keras's "
+                       "train_step differentiates the forward pass, which runs 'gpipe'.")
+    self._layer_configs = [layer if isinstance(layer, dict) else keras.layers.serialize(layer)
+                           for layer in layers]
+    # Weights of the given layers that are built, copied in when the pipeline is built.
+    self._given_weights = [layer.get_weights() if isinstance(layer, keras.layers.Layer) and
+                           layer.built else None for layer in layers]
+    self._options = dict(num_stages=num_stages, num_micro_batches=num_micro_batches,
+                         schedule=schedule, remat=remat, devices=devices, cost=cost,
+                         jit_compile=jit_compile)
+    self._pipeline = None
+    self._output_shape = None
+    shape = input_shape if input_shape is not None else shape
+    self._input_shape = None if shape is None else tuple(shape)
+    if self._input_shape is not None:
+      self.build((None,) + self._input_shape)
+
+  @property
+  def pipeline(self):
+    """The gpipe.PipeliningLayer that runs the layers (None before the model is built)."""
+    return self._pipeline
+
+  @property
+  def pipeline_layers(self):
+    """The Keras layers as the pipeline runs them, in order; their weights are the model's."""
+    return list(self._pipeline_layers) if self._pipeline is not None else []
+
+  def build(self, input_shape):
+    if self._pipeline is not None:
+      return
+    shape = tuple(tf.TensorShape(input_shape).as_list()[1:])
+    if self._input_shape is not None and shape != self._input_shape:
+      raise ValueError(f'{self.name}: built for examples of shape {self._input_shape}, '
+                       f'called on shape {shape}.')
+    opts = self._options
+    with tf.init_scope():
+      params_list, self._output_shape = keras_layer.ParamsFromKerasLayers(
+          self._layer_configs, shape)
+      cells = gpipe.PartitionSequentialLayers(params_list, opts['num_stages'],
+                                              tf.TensorShape((1,) + shape), cost=opts['cost'])
+      p = gpipe.PipeliningLayer.Params().Set(
+          name='pipeline', cell_tpl=cells, num_micro_batches=opts['num_micro_batches'],
+          schedule=opts['schedule'], remat=opts['remat'], devices=opts['devices'],
+          jit_compile=opts['jit_compile'], dtype=tf.as_dtype(self.variable_dtype), fprop_dtype=tf.as_dtype(self.compute_dtype))
+      self._pipeline = p.Instantiate()
+    self._input_shape = shape
+    # Tracked by Keras as this model's layers: their variables are the pipeline's.
+    self._pipeline_layers = [layer.keras_layer for cell in self._pipeline.cell
+                             for layer in cell.sub]
+    for layer, weights in zip(self._pipeline_layers, self._given_weights):
+      if weights is not None:
+        layer.set_weights(weights)
+    self.built = True
+
+  def call(self, inputs, training=False):
+    for x in tf.nest.flatten(inputs):
+      if x.shape.rank and x.shape[0] is None:
+        raise ValueError(
+            f'{self.name}: a batch of unknown size (shape {x.shape}): the pipeline needs every '
+            f'batch to have the same static size, divisible by num_micro_batches='
+            f'{self._options["num_micro_batches"]}. A partial last batch makes one: give a '
+            'number of examples that batch_size divides, or batch a dataset with '
+            'drop_remainder=True; export() needs an input_signature with a batch size.')
+    training = bool(training)
+    step = self.optimizer.iterations if training and self.optimizer is not None else None
+    with py_utils.Context(training=training, step=step):
+      return self._pipeline.FProp(self._pipeline.theta, inputs)
+
+  def compute_output_spec(self, inputs, training=False):
+    del training  # The shapes do not depend on it.
+    return keras.KerasTensor((inputs.shape[0],) + self._output_shape, dtype=self.compute_dtype)
+
+  def get_config(self):
+    config = super().get_config()
+    config.update(self._options, layers=list(self._layer_configs),
+                  input_shape=None if self._input_shape is None else list(self._input_shape))
+    return config

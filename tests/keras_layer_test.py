@@ -1,0 +1,188 @@
+"""Tests of lingvo_gpipe.core.keras_layer: Keras layers as pipeline layers."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import gpipe
+from lingvo_gpipe.core import keras_layer
+from lingvo_gpipe.core import py_utils
+
+
+def _Pipe(params_list, num_stages, num_micro_batches, batch=8, **kwargs):
+  shape = tf.TensorShape([batch] + params_list[0].input_shape)
+  cells = gpipe.PartitionSequentialLayers(params_list, num_stages, shape)
+  return gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=num_micro_batches, **kwargs).Instantiate()
+
+
+def _DenseParams():
+  params, _ = keras_layer.ParamsFromKerasLayers(
+      [keras.layers.Dense(6, activation='relu'), keras.layers.Dense(3)], [5])
+  return params
+
+
+def _Input(shape, seed=0):
+  return tf.random.stateless_normal(shape, [seed, 7])
+
+
+def testVariablesAreThetaNamedByPathAndTrainLikePlainMath():
+  pipe = _Pipe(_DenseParams(), num_stages=2, num_micro_batches=4)
+  assert sorted(v.name for v in pipe.trainable_variables) == [
+      'pipe/dense0/bias:0', 'pipe/dense0/kernel:0', 'pipe/dense1/bias:0', 'pipe/dense1/kernel:0']
+  x = _Input([8, 5])
+  with tf.GradientTape() as tape:
+    loss = tf.reduce_sum(pipe(x) ** 2)
+  grads = tape.gradient(loss, pipe.trainable_variables)
+  v = {var.name: var for var in pipe.trainable_variables}
+  with tf.GradientTape() as tape:
+    h = tf.nn.relu(x @ v['pipe/dense0/kernel:0'] + v['pipe/dense0/bias:0'])
+    ref_loss = tf.reduce_sum((h @ v['pipe/dense1/kernel:0'] + v['pipe/dense1/bias:0']) ** 2)
+  ref_grads = tape.gradient(ref_loss, pipe.trainable_variables)
+  np.testing.assert_allclose(loss.numpy(), ref_loss.numpy(), rtol=1e-6)
+  for g, r in zip(grads, ref_grads):
+    np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-5, atol=1e-6)
+  # The Keras layer reads the same variables: its get_weights are theta's values.
+  dense0 = pipe.LayersByPath()['pipe/dense0'].keras_layer
+  np.testing.assert_array_equal(dense0.get_weights()[0], v['pipe/dense0/kernel:0'].numpy())
+
+
+def testInitialValuesDependOnThePathOnly():
+  keras.utils.set_random_seed(1)
+  one = _Pipe(_DenseParams(), num_stages=1, num_micro_batches=1)
+  keras.utils.set_random_seed(2)
+  two = _Pipe(_DenseParams(), num_stages=2, num_micro_batches=2)
+  for a, b in zip(one.trainable_variables, two.trainable_variables):
+    assert a.name == b.name
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+  # Keras's initializers, not zeros: the kernels differ from each other.
+  assert np.std(one.trainable_variables[1].numpy()) > 0.1
+
+
+def testBatchNormUsesMicroBatchStatisticsAndMovesByTheWholeBatch():
+  params, _ = keras_layer.ParamsFromKerasLayers(
+      [keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-3, center=False, scale=False)],
+      [3])
+  pipe = _Pipe(params, num_stages=1, num_micro_batches=4)
+  x = _Input([8, 3]).numpy() * 2 + 1
+  with tf.GradientTape() as tape:
+    y = pipe(tf.constant(x))
+  xs = x.reshape(4, 2, 3)
+  expected = (xs - xs.mean(1, keepdims=True)) / np.sqrt(xs.var(1, keepdims=True) + 1e-3)
+  np.testing.assert_allclose(y.numpy(), expected.reshape(8, 3), rtol=1e-4, atol=1e-5)
+  bn = pipe.LayersByPath()['pipe/batch_normalization0']
+  np.testing.assert_allclose(bn.vars.moving_mean.numpy(), 0.1 * x.mean(0), rtol=1e-5)
+  np.testing.assert_allclose(bn.vars.moving_variance.numpy(), 0.9 + 0.1 * x.var(0), rtol=1e-5)
+  del tape
+  with py_utils.EvalMode():
+    y_eval = pipe(tf.constant(x))
+  np.testing.assert_allclose(
+      y_eval.numpy(), (x - 0.1 * x.mean(0)) / np.sqrt(0.9 + 0.1 * x.var(0) + 1e-3), rtol=1e-5)
+
+
+def testDropoutMaskIsTheSameForAnyCut():
+  layers = [keras.layers.Dense(16), keras.layers.Dropout(0.5), keras.layers.Dense(4)]
+  params, _ = keras_layer.ParamsFromKerasLayers(layers, [5])
+  x = _Input([8, 5])
+  outs = []
+  for k, m in ((1, 1), (3, 4)):
+    pipe = _Pipe(params, num_stages=k, num_micro_batches=m)
+    with py_utils.Context(step=3):
+      outs.append(pipe(x).numpy())
+  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+  with py_utils.EvalMode():
+    assert not np.allclose(pipe(x).numpy(), outs[1])
+
+
+def testRandomOpsInsideKerasLayersAreSeededByStepAndMicroBatch():
+  params, _ = keras_layer.ParamsFromKerasLayers([keras.layers.GaussianNoise(1.0)], [4])
+  pipe = _Pipe(params, num_stages=1, num_micro_batches=2, batch=4)
+  x = tf.zeros([4, 4])
+  with py_utils.Context(step=5):
+    a, b = pipe(x).numpy(), pipe(x).numpy()
+  with py_utils.Context(step=6):
+    c = pipe(x).numpy()
+  np.testing.assert_array_equal(a, b)
+  assert not np.allclose(a, c)
+  assert not np.allclose(a[:2], a[2:])  # The two micro-batches draw their own noise.
+  with tf.GradientTape() as tape, py_utils.Context(step=5):
+    tape.watch(x)
+    y = pipe(x)
+  np.testing.assert_array_equal(y.numpy(), a)
+  np.testing.assert_array_equal(tape.gradient(y, x).numpy(), np.ones([4, 4]))
+
+
+class _Counting(keras.layers.Layer):
+  """Counts its calls in a non-trainable variable: state the pipeline cannot update."""
+
+  def build(self, input_shape):
+    self.calls = self.add_weight(shape=(), initializer='zeros', trainable=False, name='calls')
+
+  def call(self, x):
+    self.calls.assign_add(1.0)
+    return x
+
+
+def testOtherStateUpdatesAreAnError():
+  p = keras_layer.KerasLayer.Params().Set(name='count', layer=_Counting, input_shape=[2])
+  layer = p.Instantiate()
+  with pytest.raises(ValueError, match=r"updates \['.*calls'\] in call\(\)"):
+    layer(tf.zeros([1, 2]))
+
+
+def testBadParamsAreNamedErrors():
+  base = keras_layer.KerasLayer.Params().Set(name='ff', input_shape=[4])
+  with pytest.raises(ValueError, match='ff: params.layer must be a function.*got Dense'):
+    base.Copy().Set(layer=keras.layers.Dense(3)).Instantiate()
+  with pytest.raises(ValueError, match=r'ff: input_shape must be .* got \[0, 4\]'):
+    base.Copy().Set(layer=lambda: keras.layers.Dense(3), input_shape=[0, 4]).Instantiate()
+  built = keras.layers.Dense(3)
+  built.build((None, 4))
+  with pytest.raises(ValueError, match='returned the built Keras layer'):
+    base.Copy().Set(layer=lambda: built).Instantiate()
+  with pytest.raises(ValueError, match='expected a Keras layer'):
+    keras_layer.ParamsFromKerasLayers([keras.layers.Dense(3), 'relu'], [4])
+
+
+def testKerasPolicySetsFPropDtypeAndFPropDtypeSetsThePolicy():
+  keras.mixed_precision.set_global_policy('mixed_bfloat16')
+  try:
+    params, _ = keras_layer.ParamsFromKerasLayers([keras.layers.Dense(3)], [4])
+  finally:
+    keras.mixed_precision.set_global_policy('float32')
+  layer = params[0].Instantiate()
+  assert layer.fprop_dtype == tf.bfloat16 and layer.vars.kernel.dtype == tf.float32
+  x = tf.ones([2, 4])
+  with tf.GradientTape() as tape:
+    y = layer(x)
+  assert y.dtype == tf.bfloat16
+  assert tape.gradient(y, layer.vars.kernel).dtype == tf.float32
+  p = keras_layer.KerasLayer.Params().Set(
+      name='ff', layer=lambda: keras.layers.Dense(3), input_shape=[4], fprop_dtype=tf.float16)
+  assert p.Instantiate().keras_layer.dtype_policy.name == 'mixed_float16'
+  with pytest.raises(ValueError, match='computes in bfloat16 .* params.fprop_dtype is float32'):
+    params[0].Copy().Set(fprop_dtype=tf.float32).Instantiate()
+
+
+def testJitCompiledCells():
+  """XLA gives the gradients of the uncompiled cells; its random numbers are its own (XLA's
+  stateless generators differ from TensorFlow's kernels), the same for any micro-batching."""
+  layers = [keras.layers.Dense(8, activation='gelu'), keras.layers.Dropout(0.5),
+            keras.layers.Dense(3)]
+  params, _ = keras_layer.ParamsFromKerasLayers(layers, [5])
+  x = _Input([8, 5])
+  results = {}
+  for jit, training, m in ((False, False, 2), (True, False, 2), (True, True, 1), (True, True, 4)):
+    pipe = _Pipe(params, num_stages=2, num_micro_batches=m, jit_compile=jit)
+
+    @tf.function
+    def Step():
+      with tf.GradientTape() as tape, py_utils.Context(training=training, step=1):
+        loss = tf.reduce_sum(pipe(x) ** 2)
+      return [loss] + list(tape.gradient(loss, pipe.trainable_variables))
+
+    results[jit, training, m] = Step()
+  for key_a, key_b in (((False, False, 2), (True, False, 2)), ((True, True, 1), (True, True, 4))):
+    for a, b in zip(results[key_a], results[key_b]):
+      np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
