@@ -21,7 +21,10 @@ devices: micro-batch chunks between forward and input gradient, and pending
 weight gradients), so a schedule whose count is flat in M should measure flat:
 
   python tools/memory_curves.py --schedules=gpipe,1f1b,zb_h1,zb_h2,zbv --remat=never \
-      --fixed_stages=4 --micro_batches=8,16,32
+      --fixed_stages=4 --micro_batches=8,16,32 --micro_batch_rows=128
+
+(--micro_batch_rows fixes the micro-batch, so the batch grows with M: what a schedule
+holds per device is then micro-batches of one size.)
 """
 
 import json
@@ -47,6 +50,8 @@ flags.DEFINE_list('stages', ['1', '2', '4'], 'K values of the K sweep.')
 flags.DEFINE_enum('schedule', 'gpipe', list(schedule_lib.SCHEDULE_NAMES), 'Pipeline schedule.')
 flags.DEFINE_list('schedules', None, 'Compare these schedules over --micro_batches at '
                   '--fixed_stages instead of the K and M sweeps.')
+flags.DEFINE_integer('micro_batch_rows', None, 'With --schedules: rows per micro-batch (the '
+                     'batch is M times this) instead of --rows.')
 flags.DEFINE_enum('remat', 'always', ['always', 'except_last', 'never'], 'Re-materialization.')
 flags.DEFINE_integer('steps', 2, 'Steps measured per point (the largest peak is kept).')
 flags.DEFINE_integer('inter_op_threads', 1, 'Ops run at once; 1 makes the fit\'s premise hold.')
@@ -94,7 +99,8 @@ def _ScheduleSweep(base):
   """Each schedule over --micro_batches at K=--fixed_stages, against what it holds."""
   k = FLAGS.fixed_stages
   points = [dict(base, stages=0, micro_batches=1, schedule='gpipe', sweep='plain')] + [
-      dict(base, stages=k, micro_batches=int(m), schedule=sched, sweep='schedule')
+      dict(base, stages=k, micro_batches=int(m), schedule=sched, sweep='schedule',
+           rows=FLAGS.micro_batch_rows * int(m) if FLAGS.micro_batch_rows else base['rows'])
       for sched in FLAGS.schedules for m in FLAGS.micro_batches]
   results = []
   for i, config in enumerate(points, 1):
@@ -109,12 +115,13 @@ def _ScheduleSweep(base):
   table = bench_utils.MarkdownTable(results[1:], [
       ('schedule', lambda r: r['schedule']), ('M', lambda r: r['micro_batches']),
       ('peak MB', lambda r: f"{r['peak_mb']:.1f}"),
-      ('x plain', lambda r: f"{r['peak_mb'] / plain['peak_mb']:.2f}"),
+      ('rows', lambda r: r['rows']),
       (f'x M={FLAGS.micro_batches[0]}', lambda r: f"{r['vs_first_m']:.2f}"),
       ('chunks held (sum over devices)', lambda r: r['held']),
       ('pending W', lambda r: r['pending_w'])])
-  notes = [f"{FLAGS.model}: L={FLAGS.layers}, N={FLAGS.rows}, K={k}, remat {FLAGS.remat}; "
-           f"plain model {plain['peak_mb']:.1f} MB; load average before {base['load']}, after "
+  rows = f'{FLAGS.micro_batch_rows} x M' if FLAGS.micro_batch_rows else FLAGS.rows
+  notes = [f"{FLAGS.model}: L={FLAGS.layers}, N={rows}, K={k}, remat {FLAGS.remat}; "
+           f"plain model on {plain['rows']} rows {plain['peak_mb']:.1f} MB; load average before {base['load']}, after "
            f'{bench_utils.Load()}']
   bench_utils.Emit(table, dict(points=results), FLAGS.json_out, notes)
 
