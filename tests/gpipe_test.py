@@ -10,6 +10,7 @@ from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import memory_stats
+from lingvo_gpipe.core import profiler
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import schedule
 
@@ -702,15 +703,16 @@ def testPartitionByFlopsGivesEqualStagesAndHeavyLayerAlone():
 
 
 def testPartitionDefaultsToParamsWithoutFPropMeta():
-  costs = gpipe.LayerCosts([_Res.Params()] * 3, tf.TensorShape([4, DIM]))
+  costs = profiler.LayerCosts([_Res.Params()] * 3, tf.TensorShape([4, DIM]))
   assert costs == [2.0 * DIM * HIDDEN] * 3
   with pytest.raises(ValueError, match=r"needs FPropMeta on every layer; missing on \['_Res'\]"):
-    gpipe.LayerCosts([_Res.Params()], tf.TensorShape([4, DIM]), cost='flops')
+    profiler.LayerCosts([_Res.Params()], tf.TensorShape([4, DIM]), cost='flops')
 
 
 def testPartitionByMeasuredTime():
-  layer_params = [_Projection(64, 64), _Projection(64, 2048), _Projection(2048, 64)]
-  costs = gpipe.LayerCosts(layer_params, tf.TensorShape([256, 64]), cost='time')
+  # 64 and 128 times the small layer's FLOPs: above the timing noise of a loaded machine.
+  layer_params = [_Projection(64, 64), _Projection(64, 4096), _Projection(4096, 128)]
+  costs = profiler.LayerCosts(layer_params, tf.TensorShape([1024, 64]), cost='time')
   assert len(costs) == 3 and all(c > 0 for c in costs)
   assert costs[1] > costs[0] and costs[2] > costs[0]
 

@@ -17,6 +17,7 @@ from lingvo_gpipe import tasks
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import layers_with_gpipe as lg
+from lingvo_gpipe.core import profiler
 from lingvo_gpipe.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -308,7 +309,7 @@ def testIntSplitsMinimizeTheSlowestStageAndNeverLeaveTheSoftmaxAlone():
 
   p = _SeqStack(num_encoder_layers=4, num_decoder_layers=4, splits=3, max_seq_len=16)
   layer_params = p.cls.LayerParams(p)
-  costs = gpipe.LayerCosts(layer_params, p.cls.InputSpec(p))
+  costs = profiler.LayerCosts(layer_params, p.cls.InputSpec(p))
   n = len(costs)
 
   def Slowest(ends):

@@ -78,7 +78,6 @@ def _Bytes(tf, specs):
 
 def Inspect(tf, pipe, spec, batch_size, source):
   """Layer rows, stage rows and the planner.Plan of one pipeline (see the module docstring)."""
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import pipeline_params  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import profiler  # pylint: disable=g-import-not-at-top
@@ -86,7 +85,7 @@ def Inspect(tf, pipe, spec, batch_size, source):
   num_micro = pipe.num_micro_batches if pipe.micro_batch_size is None else (
       batch_size // pipe.micro_batch_size)
   micro = batch_size // (num_micro * pipe.num_replicas)
-  params = gpipe.LayerCosts(layer_params, None, cost='params')
+  params = profiler.LayerCosts(layer_params, None, cost='params')
   shapes = (_WithBatch(tf, spec, micro),)
   rows, profiles = [], []
   for p, count in zip(layer_params, params):

@@ -25,7 +25,6 @@ re-materialization is therefore an explicit recompute-then-differentiate of
 each chunk, the same idea as tf.recompute_grad with the accumulation in our hands.
 """
 
-import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
@@ -476,68 +475,6 @@ class PipeliningLayer(base_layer.BaseLayer):
 # -- partitioning ------------------------------------------------------------------
 
 
-def _ShapesAsArgs(input_shape):
-  if isinstance(input_shape, (list, tuple)) and not isinstance(input_shape, tf.TensorShape):
-    if input_shape and all(isinstance(s, (tf.TensorShape, tf.TensorSpec, py_utils.NestedMap))
-                           for s in input_shape):
-      return tuple(input_shape)
-  return (input_shape,)
-
-
-def _FlopCosts(layer_params_list, input_shapes):
-  costs = []
-  for p in layer_params_list:
-    meta = p.cls.FPropMeta(p, *input_shapes)
-    costs.append(float(meta.flops))
-    input_shapes = tuple(meta.out_shapes)
-  return costs
-
-
-def _Named(layer_params_list):
-  named = []
-  for i, p in enumerate(layer_params_list):
-    p = p.Copy()
-    p.name = p.name or f'layer{i}'
-    named.append(p)
-  return named
-
-
-def _ParamCosts(layer_params_list):
-  costs = []
-  for p in layer_params_list:
-    layer = p.Instantiate()
-    costs.append(float(sum(np.prod(v.shape) for v in layer.trainable_variables)))
-    del layer
-  return costs
-
-
-def _TimeCosts(layer_params_list, input_shapes):
-  """Median forward + backward seconds of each layer (profiler.ProfileLayers)."""
-  return [p.forward_s + p.backward_s for p in
-          profiler.ProfileLayers(layer_params_list, tuple(input_shapes), memory=False)]
-
-
-COST_KINDS = ('auto', 'flops', 'params', 'time')
-
-
-def LayerCosts(layer_params_list, input_shape, cost='auto'):
-  """Per-layer costs: FLOPs (FPropMeta), parameter count or measured time."""
-  layer_params_list = _Named(layer_params_list)
-  if cost == 'auto':
-    cost = 'flops' if all(p.cls.HasFPropMeta() for p in layer_params_list) else 'params'
-  if cost == 'flops':
-    missing = sorted({p.cls.__name__ for p in layer_params_list if not p.cls.HasFPropMeta()})
-    if missing:
-      raise ValueError(f"cost='flops' needs FPropMeta on every layer; missing on {missing}.")
-    return _FlopCosts(layer_params_list, _ShapesAsArgs(input_shape))
-  if cost == 'params':
-    return _ParamCosts(layer_params_list)
-  if cost == 'time':
-    return _TimeCosts(layer_params_list, _ShapesAsArgs(input_shape))
-  raise ValueError(f'Unknown cost {cost!r}; expected one of {list(COST_KINDS)} or a list of '
-                   'per-layer numbers.')
-
-
 def PartitionSequentialLayers(layer_params_list, num_partitions, input_shape, cost='auto'):
   """Cuts a layer list into `num_partitions` balanced FeatureExtractionLayer params.
 
@@ -553,8 +490,9 @@ def PartitionSequentialLayers(layer_params_list, num_partitions, input_shape, co
   Returns:
     K FeatureExtractionLayer params named cell0..cell{K-1}.
   """
-  named = _Named(layer_params_list)
-  costs = list(cost) if isinstance(cost, (list, tuple)) else LayerCosts(named, input_shape, cost)
+  named = profiler.Named(layer_params_list)
+  costs = list(cost) if isinstance(cost, (list, tuple)) else profiler.LayerCosts(
+      named, input_shape, cost)
   if len(costs) != len(named):
     raise ValueError(f'Got {len(costs)} costs for {len(named)} layers.')
   return CellsFromEnds(named, partition.Balance(costs, num_partitions))

@@ -42,6 +42,7 @@ from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import partition
+from lingvo_gpipe.core import profiler
 from lingvo_gpipe.core import py_utils
 
 # Creates children sharing the parent's variable dtype and initializer.
@@ -391,7 +392,7 @@ class _GPipeStack(gpipe.PipeliningLayer):
       if not 1 <= splits <= n - 1:
         raise ValueError(f'{p.name}: splits={splits} stages, but the stack has {n} layers, '
                          f'the softmax sharing a stage: expected 1 <= splits <= {n - 1}.')
-      costs = gpipe.LayerCosts(layer_params, cls.InputSpec(p))
+      costs = profiler.LayerCosts(layer_params, cls.InputSpec(p))
       costs[-2] += costs.pop()  # The softmax rides with the layer before it.
       return partition.Balance(costs, splits)[:-1] + [n]
     if not isinstance(splits, (list, tuple)):

@@ -1,7 +1,7 @@
 """Measuring layers one by one: forward and backward time, parameter, input and activation bytes.
 
-The balance planner plans from these profiles and PartitionSequentialLayers
-balances by their time (cost='time'). Each layer runs at the given batch size on
+The balance planner plans from these profiles; LayerCosts gives the per-layer
+costs PartitionSequentialLayers balances by (FLOPs, parameters or time). Each layer runs at the given batch size on
 random inputs (the previous layer's outputs), as a tf.function, so a profile
 is of the compiled step, not of Python.
 """
@@ -123,3 +123,74 @@ def ProfileLayers(layer_params_list, input_spec, batch_size=None, repeats=3, tie
       progress(i, len(stack.sub), profile)
     args = out if isinstance(out, tuple) else (out,)
   return profiles
+
+
+# -- per-layer costs for balancing --------------------------------------------------
+
+
+def _ShapesAsArgs(input_shape):
+  if isinstance(input_shape, (list, tuple)) and not isinstance(input_shape, tf.TensorShape):
+    if input_shape and all(isinstance(s, (tf.TensorShape, tf.TensorSpec, py_utils.NestedMap))
+                           for s in input_shape):
+      return tuple(input_shape)
+  return (input_shape,)
+
+
+def _FlopCosts(layer_params_list, input_shapes):
+  costs = []
+  for p in layer_params_list:
+    meta = p.cls.FPropMeta(p, *input_shapes)
+    costs.append(float(meta.flops))
+    input_shapes = tuple(meta.out_shapes)
+  return costs
+
+
+def Named(layer_params_list):
+  """Copies of the params, each named (layer<i> where it had no name)."""
+  named = []
+  for i, p in enumerate(layer_params_list):
+    p = p.Copy()
+    p.name = p.name or f'layer{i}'
+    named.append(p)
+  return named
+
+
+def _ParamCosts(layer_params_list):
+  costs = []
+  for p in layer_params_list:
+    layer = p.Instantiate()
+    costs.append(float(sum(np.prod(v.shape) for v in layer.trainable_variables)))
+    del layer
+  return costs
+
+
+def _TimeCosts(layer_params_list, input_shapes):
+  """Median forward + backward seconds of each layer (ProfileLayers)."""
+  return [p.forward_s + p.backward_s for p in
+          ProfileLayers(layer_params_list, tuple(input_shapes), memory=False)]
+
+
+COST_KINDS = ('auto', 'flops', 'params', 'time')
+
+
+def LayerCosts(layer_params_list, input_shape, cost='auto'):
+  """Per-layer costs to balance stages by: FLOPs (FPropMeta), parameter count or measured
+  time (forward and backward).
+
+  input_shape: the first layer's input tf.TensorShape (or TensorSpec), or a list
+  of them for several inputs, or a NestedMap of them for one NestedMap.
+  """
+  layer_params_list = Named(layer_params_list)
+  if cost == 'auto':
+    cost = 'flops' if all(p.cls.HasFPropMeta() for p in layer_params_list) else 'params'
+  if cost == 'flops':
+    missing = sorted({p.cls.__name__ for p in layer_params_list if not p.cls.HasFPropMeta()})
+    if missing:
+      raise ValueError(f"cost='flops' needs FPropMeta on every layer; missing on {missing}.")
+    return _FlopCosts(layer_params_list, _ShapesAsArgs(input_shape))
+  if cost == 'params':
+    return _ParamCosts(layer_params_list)
+  if cost == 'time':
+    return _TimeCosts(layer_params_list, _ShapesAsArgs(input_shape))
+  raise ValueError(f'Unknown cost {cost!r}; expected one of {list(COST_KINDS)} or a list of '
+                   'per-layer numbers.')
