@@ -44,6 +44,10 @@ flags.DEFINE_enum('remat', None, ['always', 'except_last', 'never'],
 flags.DEFINE_float('memory_cap_mb', None, 'Per-device memory cap in MiB; default none.')
 flags.DEFINE_boolean('choose', False, 'Also choose M, the schedule and remat (see above).')
 flags.DEFINE_integer('top', 8, 'With --choose: candidates printed.')
+flags.DEFINE_float('action_overhead_ms', 0.5,
+                   'Cost of each pipeline action besides its layers (dispatch, hand-over): '
+                   'about 0.6 ms per action on this 2-core CPU (the tiny LM at M=32 ran 192 '
+                   'actions in 0.125 s a step); it keeps --choose from many tiny micro-batches.')
 flags.DEFINE_integer('optimizer_slots', 2, 'Optimizer tensors per weight (Adam 2, SGD 0).')
 flags.DEFINE_integer('repeats', 3, 'Timed runs per layer (median).')
 flags.DEFINE_integer('layers', 8, 'Built-in stacks: layers.')
@@ -116,12 +120,14 @@ def main(argv):
     if FLAGS.choose:
       plan, candidates = planner.ChoosePlan(
           profiles, k, rows, rows // m, memory_cap_bytes=cap,
-          optimizer_slots=FLAGS.optimizer_slots, glued=glued, source=FLAGS.model)
+          optimizer_slots=FLAGS.optimizer_slots, glued=glued, source=FLAGS.model,
+          action_overhead_s=FLAGS.action_overhead_ms / 1e3)
       m, schedule, remat = plan.num_micro_batches, plan.schedule, plan.remat
     else:
       plan = planner.MakePlan(profiles, k, m, schedule=schedule, remat=remat,
                               memory_cap_bytes=cap, optimizer_slots=FLAGS.optimizer_slots,
-                              glued=glued, source=FLAGS.model)
+                              glued=glued, source=FLAGS.model,
+                              action_overhead_s=FLAGS.action_overhead_ms / 1e3)
   except ValueError as e:
     sys.exit(f'plan_balance: error: {e}')
   plan.Save(FLAGS.out)

@@ -17,8 +17,8 @@
    not yet) each hold up to a micro-batch's activations too. The plan is the
    contiguous split minimising the slowest stage among those whose every stage
    fits the cap (then the most even one, as partition.Balance does), and the
-   simulator predicts its step (a split B and W take half the backward each,
-   B also the recompute).
+   simulator predicts its step (a split B takes half the backward and the
+   recompute, W the whole backward again: see executor.py).
    ChoosePlan also picks M, the schedule and remat: the candidate with the
    best predicted step time that fits, next to the others and why they lost.
 3. Save and load the plan as JSON; ApplyPlan cuts the pipelines of a params
@@ -61,7 +61,7 @@ def _Prefix(values):
 class _StageModel:
   """Time and memory of a stage holding layers j..i-1, vectorized over j."""
 
-  def __init__(self, profiles, held, remat, optimizer_slots):
+  def __init__(self, profiles, held, remat, optimizer_slots, action_overhead_s=0.0):
     if remat not in gpipe.REMAT_MODES:
       raise ValueError(f'Unknown remat {remat!r}; expected one of {list(gpipe.REMAT_MODES)}.')
     self._forward = _Prefix([p.forward_s for p in profiles])
@@ -72,21 +72,24 @@ class _StageModel:
     self._in_flight, self._pending = held
     self._remat = remat
     self._model_factor = 2 + optimizer_slots
+    self._overhead = action_overhead_s
 
   def Forward(self, j, i):
-    return self._forward[i] - self._forward[j]
+    return self._forward[i] - self._forward[j] + self._overhead
 
   def Backward(self, j, i):
     """Backward seconds, with the recomputed forward when the stage re-materializes."""
-    backward = self._backward[i] - self._backward[j]
-    return backward + (self.Forward(j, i) if self._remat != 'never' else 0.0)
+    backward = self._backward[i] - self._backward[j] + self._overhead
+    return backward + (self.Forward(j, i) - self._overhead if self._remat != 'never' else 0.0)
 
   def InputGrad(self, j, i):
     """A split B: the recompute (with remat) and half the backward."""
-    return self.Backward(j, i) - self.WeightGrad(j, i)
+    return self.Backward(j, i) - (self._backward[i] - self._backward[j]) / 2
 
   def WeightGrad(self, j, i):
-    return (self._backward[i] - self._backward[j]) / 2
+    """A split W: the whole backward again, as the executor's W walks the chunk's
+    activation-gradient chain again for its weight gradients (measured: B + W = 1.48 x BW)."""
+    return self._backward[i] - self._backward[j] + self._overhead
 
   def Time(self, j, i):
     return self.Forward(j, i) + self.Backward(j, i)
@@ -149,7 +152,7 @@ def _Ends(profiles, num_stages, model, cap):
 
 
 def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='always',
-             memory_cap_bytes=None, optimizer_slots=2, glued=(), source=''):
+             memory_cap_bytes=None, optimizer_slots=2, glued=(), source='', action_overhead_s=0.0):
   """The Plan minimising the slowest stage with every device under memory_cap_bytes.
 
   Args:
@@ -162,6 +165,9 @@ def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='a
     glued: indices of layers that must share a stage with the layer before
       (a GPipe stack's softmax).
     source: what was profiled (a registry key), kept in the plan.
+    action_overhead_s: seconds each pipeline action costs besides its layers'
+      time (dispatch, hand-over bookkeeping): what makes many small
+      micro-batches slow.
 
   Raises:
     ValueError: if no split into K stages fits the cap.
@@ -171,7 +177,7 @@ def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='a
     raise ValueError(f'Cannot split {len(units)} layers (after keeping {sorted(glued)} with '
                      f'the layer before) into {num_stages} stages.')
   model = _StageModel(units, _Held(schedule, num_stages, num_micro_batches), remat,
-                      optimizer_slots)
+                      optimizer_slots, action_overhead_s)
   cap = np.inf if memory_cap_bytes is None else float(memory_cap_bytes)
   ends = _Ends(units, num_stages, model, cap)
   if ends is None:
@@ -184,7 +190,8 @@ def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='a
                      'cap, K or M, or re-materialize.')
   return Plan(source=source, layers=list(profiles), ends=[unit_ends[e - 1] for e in ends],
               num_micro_batches=num_micro_batches, schedule=schedule, remat=remat,
-              optimizer_slots=optimizer_slots, memory_cap_bytes=memory_cap_bytes)
+              optimizer_slots=optimizer_slots, memory_cap_bytes=memory_cap_bytes,
+              action_overhead_s=action_overhead_s)
 
 
 @dataclasses.dataclass
@@ -198,6 +205,7 @@ class Plan:
   remat: str
   optimizer_slots: int
   memory_cap_bytes: float = None
+  action_overhead_s: float = 0.0
 
   @property
   def num_stages(self):
@@ -210,7 +218,7 @@ class Plan:
   def _Model(self):
     return _StageModel(self.layers, _Held(self.schedule, self.num_stages,
                                           self.num_micro_batches),
-                       self.remat, self.optimizer_slots)
+                       self.remat, self.optimizer_slots, self.action_overhead_s)
 
   def _Bounds(self):
     return list(zip([0] + self.ends[:-1], self.ends))
@@ -247,6 +255,7 @@ class Plan:
     return dict(format=PLAN_FORMAT, source=self.source, ends=self.ends,
                 num_micro_batches=self.num_micro_batches, schedule=self.schedule,
                 remat=self.remat, optimizer_slots=self.optimizer_slots,
+                action_overhead_s=self.action_overhead_s,
                 memory_cap_bytes=self.memory_cap_bytes,
                 layers=[dataclasses.asdict(p) for p in self.layers], stages=self.Stages(),
                 predicted=dict(step_time_s=prediction.step_time,
@@ -266,6 +275,7 @@ class Plan:
                ends=list(data['ends']), num_micro_batches=data['num_micro_batches'],
                schedule=data['schedule'], remat=data['remat'],
                optimizer_slots=data['optimizer_slots'],
+               action_overhead_s=data.get('action_overhead_s', 0.0),
                memory_cap_bytes=data['memory_cap_bytes'])
 
 
@@ -280,7 +290,7 @@ def _Scaled(profiles, factor):
 
 def ChoosePlan(profiles, num_stages, batch_size, profiled_rows, memory_cap_bytes=None,
                micro_batches=None, schedules=PLANNABLE_SCHEDULES, remats=gpipe.REMAT_MODES,
-               optimizer_slots=2, glued=(), source=''):
+               optimizer_slots=2, glued=(), source='', action_overhead_s=0.0):
   """(best Plan, candidates): the split, M, schedule and remat with the best predicted step
   time among those whose every device fits memory_cap_bytes.
 
@@ -288,7 +298,7 @@ def ChoosePlan(profiles, num_stages, batch_size, profiled_rows, memory_cap_bytes
     profiles: LayerProfiles measured at `profiled_rows` rows per micro-batch.
     num_stages: K.
     batch_size: rows of a whole batch (per replica); M must divide it.
-    memory_cap_bytes, optimizer_slots, glued, source: as MakePlan's.
+    memory_cap_bytes, optimizer_slots, glued, source, action_overhead_s: as MakePlan's.
     micro_batches: the Ms to try; default every divisor of batch_size up to 64.
     schedules, remats: the schedules and re-materialization modes to try.
 
@@ -310,7 +320,7 @@ def ChoosePlan(profiles, num_stages, batch_size, profiled_rows, memory_cap_bytes
         key = dict(num_micro_batches=m, schedule=schedule, remat=remat)
         try:
           plan = MakePlan(scaled, num_stages, m, schedule, remat, memory_cap_bytes,
-                          optimizer_slots, glued, source)
+                          optimizer_slots, glued, source, action_overhead_s)
         except ValueError as e:
           candidates.append(dict(key, step_time_s=np.inf, why=str(e)))
           continue
