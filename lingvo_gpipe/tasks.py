@@ -146,6 +146,22 @@ class LanguageModelTask(PipelinedTask):
   def Metrics(self, outputs):
     return SequenceMetrics(outputs)
 
+  def Inference(self, theta, input_batch):
+    """NestedMap(argmax: each position's most likely next token [B, T], paddings) of
+    NestedMap(ids [B, T], optional paddings): serving needs no labels, and B may be unknown
+    at trace time (any batch, one example too)."""
+    ids = input_batch.ids
+    paddings = input_batch.get('paddings')
+    if paddings is None:
+      paddings = tf.zeros(tf.shape(ids), tf.float32)
+    paddings = tf.cast(paddings, tf.float32)
+    # The softmax layer reads labels and weights for its loss; the argmax does not.
+    batch = py_utils.NestedMap(ids=ids, labels=tf.zeros_like(ids), paddings=paddings,
+                               weights=1.0 - paddings)
+    with py_utils.EvalMode():
+      outputs = self.ComputePredictions(theta, batch)
+    return py_utils.NestedMap(argmax=outputs.argmax, paddings=paddings)
+
 
 class EncoderDecoderTask(PipelinedTask):
   """A Transformer encoder-decoder on NestedMap(src, tgt) batches (teacher forcing)."""

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from lingvo_gpipe import model_registry
 from lingvo_gpipe import learner
+from lingvo_gpipe import pipeline_check
 from lingvo_gpipe import tasks
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import layers_with_gpipe
@@ -254,3 +255,31 @@ def testEncoderDecoderLearnsToReverse():
   assert before['loss'] > 2.5
   assert after['loss'] < before['loss'] - 1.5
   assert after['token_accuracy'] > 0.6
+
+
+def testRegisteredLmServesAnyBatchWithoutLabels():
+  """One [None, T] trace of Inference takes ids and paddings only, for 1, 5 (uneven over
+  M=2) and 32 examples: the argmax of the labeled evaluation, and of the unpipelined model."""
+  model_params = model_registry.GetParams('lm.synthetic.GPipeTransformerLmTiny', 'Train')
+  task = model_params.task.Instantiate()
+  plain = pipeline_check.UnpipelinedParams(model_params).task.Instantiate()
+  for a, b in zip(plain.variables, task.variables):
+    a.assign(b)
+  batch = next(iter(model_params.input.Instantiate().GetDataset()))
+  with py_utils.EvalMode():
+    want = task.ComputePredictions(task.theta, batch).argmax.numpy()
+  seq_len = batch.ids.shape[1]
+
+  def Serve(model):
+    return tf.function(
+        lambda ids, paddings: model.Inference(model.theta,
+                                              py_utils.NestedMap(ids=ids, paddings=paddings)),
+        input_signature=[tf.TensorSpec([None, seq_len], tf.int32),
+                         tf.TensorSpec([None, seq_len], tf.float32)])
+
+  serve, serve_plain = Serve(task), Serve(plain)
+  for rows in (1, 5, 32):
+    ids, paddings = batch.ids[:rows], tf.cast(batch.paddings[:rows], tf.float32)
+    out = serve(ids, paddings)
+    np.testing.assert_array_equal(out.argmax.numpy(), want[:rows])
+    np.testing.assert_array_equal(serve_plain(ids, paddings).argmax.numpy(), want[:rows])
