@@ -3,7 +3,9 @@
 A PipeliningLayer cuts a network into cells (chunks) on K devices and a batch
 into M micro-batches. One micro-batch's path through a training step:
 
-  1. split: the batch is cut along `batch_dim` (microbatch.Split);
+  1. split: the batch is cut along `batch_dim` (microbatch.Split), into parts that
+     differ by a row if M does not divide it, sized at run time if its size is
+     unknown at trace time;
   2. forward F(m, c): chunk c runs on its device; only its input, the boundary
      activation, is kept (with remat) and handed to chunk c+1;
   3. loss L(m): on the last chunk's device, per micro-batch or, for fill-drain,
@@ -322,8 +324,9 @@ class PipeliningLayer(base_layer.BaseLayer):
         leaves the last chunk, so the loss must decompose, and every schedule
         gives the same loss and gradients: (value, weight) pairs merge as
         sum(value * weight) / sum(weight); a bare scalar must be the sum or the
-        mean of its micro-batch values, which a probe on random outputs tells,
-        else it is refused with a ValueError (metrics.MicroBatchLoss).
+        mean of its micro-batch values (weighted by their rows when M does not
+        divide the batch), which a probe on random outputs tells, else it is
+        refused with a ValueError (metrics.MicroBatchLoss).
 
     Returns:
       (loss, grads), grads a NestedMap shaped like theta; if loss_fn returns a
