@@ -147,20 +147,24 @@ class LanguageModelTask(PipelinedTask):
     return SequenceMetrics(outputs)
 
   def Inference(self, theta, input_batch):
-    """NestedMap(argmax: each position's most likely next token [B, T], paddings) of
-    NestedMap(ids [B, T], optional paddings): serving needs no labels, and B may be unknown
-    at trace time (any batch, one example too)."""
+    """The stack's predictions, evaluation mode; a batch without labels is served too.
+
+    With labels (a training batch) every prediction; with NestedMap(ids,
+    optional paddings) alone, those that need no labels: argmax (each
+    position's most likely next token) and weights (1 - paddings). The batch
+    size may be unknown at trace time: any batch, one example too.
+    """
+    if 'labels' in input_batch:
+      return super().Inference(theta, input_batch)
     ids = input_batch.ids
     paddings = input_batch.get('paddings')
-    if paddings is None:
-      paddings = tf.zeros(tf.shape(ids), tf.float32)
-    paddings = tf.cast(paddings, tf.float32)
-    # The softmax layer reads labels and weights for its loss; the argmax does not.
+    paddings = (tf.zeros(tf.shape(ids), tf.float32) if paddings is None
+                else tf.cast(paddings, tf.float32))
+    # The softmax layer reads labels for its loss; the argmax does not depend on them.
     batch = py_utils.NestedMap(ids=ids, labels=tf.zeros_like(ids), paddings=paddings,
                                weights=1.0 - paddings)
-    with py_utils.EvalMode():
-      outputs = self.ComputePredictions(theta, batch)
-    return py_utils.NestedMap(argmax=outputs.argmax, paddings=paddings)
+    predictions = super().Inference(theta, batch)
+    return py_utils.NestedMap(argmax=predictions.argmax, weights=predictions.weights)
 
 
 class EncoderDecoderTask(PipelinedTask):

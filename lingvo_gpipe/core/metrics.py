@@ -59,17 +59,15 @@ def _ProbeInput(like, rows, batch_dim, rng):
   return tf.zeros(shape, like.dtype)
 
 
-def _Close(a, b, scale):
-  return np.isfinite(scale) and scale > 0.0 and abs(a - b) <= 1e-4 * scale
-
-
 def _Combination(whole, parts, sizes):
   """'sum' or 'mean' if the whole batch's value is the sum of the micro-batches' values or
   their mean weighted by their sizes, else None."""
   whole, parts = float(whole), np.asarray(parts, np.float64)
   scale = max(abs(whole), float(np.abs(parts).max()))
+  if not np.isfinite(scale) or scale == 0.0:
+    return None
   for rule, value in (('sum', parts.sum()), ('mean', np.average(parts, weights=sizes))):
-    if _Close(whole, value, scale):
+    if abs(whole - value) <= 1e-4 * scale:
       return rule
   return None
 
@@ -135,12 +133,14 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
       rules[name] = rule
     for name, (value, weight) in (_Pairs(values[0]) if uneven else {}).items():
       pairs = np.asarray([[float(x) for x in _Pairs(v)[name]] for v in values[1:]], np.float64)
-      merged = float(np.sum(pairs[:, 0] * pairs[:, 1]) / np.sum(pairs[:, 1]))
-      if not _Close(float(value), merged, max(abs(float(value)), abs(merged))):
+      if not np.sum(pairs[:, 1]):
+        continue  # No item to weigh in the probe's outputs: the pair's definition stands.
+      value, merged = float(value), float(np.sum(pairs[:, 0] * pairs[:, 1]) / np.sum(pairs[:, 1]))
+      if not abs(value - merged) <= 1e-4 * max(abs(value), abs(merged)):
         raise ValueError(
             f'schedule={schedule!r} calls loss_fn on each of {num_parts} micro-batches of '
             f'uneven sizes {sizes}, but its {name!r} (value, weight) on a whole batch '
-            f'({float(value):.6g}, weight {float(weight):.6g}) is not the weighted mean '
+            f'({value:.6g}, weight {float(weight):.6g}) is not the weighted mean '
             f'({merged:.6g}) of its micro-batch values: the weight must count the items the '
             "value is a mean over; or use schedule='gpipe', or a batch that "
             f'num_micro_batches divides.')
