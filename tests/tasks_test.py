@@ -287,9 +287,9 @@ def testRegisteredLmServesAnyBatchWithoutLabels():
 
 def testLmOnUnevenMicroBatchesEqualsTapeOverFPropTower():
   """7 sequences of uneven lengths, M=3 (3, 2, 2): the token-weighted metrics and gradients
-  of a per-micro-batch schedule (1F1B) equal the differentiable FProp's on the whole batch (M=1)."""
+  of a per-micro-batch schedule (1F1B) equal the differentiable FProp's on the whole batch."""
   task, whole = (tasks.LanguageModelTask.Params().Set(name='lm', stack=stack).Instantiate()
-                 for stack in (_Stack(num_micro_batches=3, schedule=sched),
+                 for stack in (_Stack(num_micro_batches=3, schedule='1f1b'),
                                _Stack(num_micro_batches=1)))
   for a, b in zip(whole.variables, task.variables):
     a.assign(b)
