@@ -20,9 +20,12 @@ and weights as the Keras model unpipelined, up to float rounding; Dropout masks
 come from the step and each example's position (KerasLayer), not from Keras's
 random state, so they match the unpipelined model with the same masks.
 
-Every batch must have the same static size, divisible by num_micro_batches: make
-the number of examples a multiple of batch_size, or batch a tf.data.Dataset with
-drop_remainder=True. With a Keras mixed-precision policy (e.g.
+Any batch runs: one that num_micro_batches does not divide is split into
+micro-batches that differ by a row (10 examples, M=4: 3, 3, 2, 2), and a batch
+of unknown size at trace time is split when it runs, so fit() takes a partial
+last batch and export() serves a `[None, ...]` signature, one example too. A
+training batch must hold at least num_micro_batches examples, one per
+micro-batch (else an InvalidArgumentError when it runs). With a Keras mixed-precision policy (e.g.
 keras.mixed_precision.set_global_policy('mixed_bfloat16')) the layers compute in
 its compute dtype and the weights stay float32.
 """
@@ -134,14 +137,6 @@ class PipelineModel(keras.Model):
     self.built = True
 
   def call(self, inputs, training=False):
-    for x in tf.nest.flatten(inputs):
-      if x.shape.rank and x.shape[0] is None:
-        raise ValueError(
-            f'{self.name}: a batch of unknown size (shape {x.shape}): the pipeline needs every '
-            f'batch to have the same static size, divisible by num_micro_batches='
-            f'{self._options["num_micro_batches"]}. A partial last batch makes one: give a '
-            'number of examples that batch_size divides, or batch a dataset with '
-            'drop_remainder=True; export() needs an input_signature with a batch size.')
     training = bool(training)
     step = self.optimizer.iterations if training and self.optimizer is not None else None
     with py_utils.Context(training=training, step=step):

@@ -146,6 +146,26 @@ class LanguageModelTask(PipelinedTask):
   def Metrics(self, outputs):
     return SequenceMetrics(outputs)
 
+  def Inference(self, theta, input_batch):
+    """The stack's predictions, evaluation mode; a batch without labels is served too.
+
+    With labels (a training batch) every prediction; with NestedMap(ids,
+    optional paddings) alone, those that need no labels: argmax (each
+    position's most likely next token) and weights (1 - paddings). The batch
+    size may be unknown at trace time: any batch, one example too.
+    """
+    if 'labels' in input_batch:
+      return super().Inference(theta, input_batch)
+    ids = input_batch.ids
+    paddings = input_batch.get('paddings')
+    paddings = (tf.zeros(tf.shape(ids), tf.float32) if paddings is None
+                else tf.cast(paddings, tf.float32))
+    # The softmax layer reads labels for its loss; the argmax does not depend on them.
+    batch = py_utils.NestedMap(ids=ids, labels=tf.zeros_like(ids), paddings=paddings,
+                               weights=1.0 - paddings)
+    predictions = super().Inference(theta, batch)
+    return py_utils.NestedMap(argmax=predictions.argmax, weights=predictions.weights)
+
 
 class EncoderDecoderTask(PipelinedTask):
   """A Transformer encoder-decoder on NestedMap(src, tgt) batches (teacher forcing)."""

@@ -624,6 +624,99 @@ def testAMicroBatchScheduleRefusesALossThatDoesNotDecompose():
     Step(x)
 
 
+def _UnevenPipe(sched, remat, num_replicas=1):
+  """K=2 devices, M=4, dropout in every cell: a batch of 10 runs micro-batches 3, 3, 2, 2."""
+  v = _V.get(sched, 1)
+  cells = [_DropoutCell().Set(name=f'cell{k}') for k in range(2 * v)]
+  return gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=4, remat=remat, schedule=sched,
+      virtual_stages=v, num_replicas=num_replicas, allow_device_reuse=True).Instantiate()
+
+
+def _UnevenReference(pipe, x, loss_fn):
+  """The whole batch through the cells on one device: loss and gradients."""
+  with tf.GradientTape() as tape, py_utils.Context(step=7):
+    y = x
+    for cell, th in zip(pipe.cell, pipe.theta.cell):
+      y = cell.FProp(th, y)
+    loss = loss_fn(y)
+  return loss, tape.gradient(loss[0] if isinstance(loss, tuple) else loss,
+                             pipe.trainable_variables)
+
+
+def _MeanPair(y):
+  """A mean over the examples as Lingvo's (value, weight)."""
+  return tf.reduce_mean(tf.square(y - 0.5)), tf.cast(tf.shape(y)[0], tf.float32)
+
+
+def _SumLoss(y):
+  return tf.reduce_sum(tf.square(y - 0.5))
+
+
+def _AssertUnevenExact(pipe, x, loss_fn, step_fn=None):
+  ref_loss, ref_grads = _UnevenReference(pipe, x, loss_fn)
+  with py_utils.Context(step=7):
+    loss, grads = (step_fn or pipe.ForwardBackward)(pipe.theta, x, loss_fn)
+  if isinstance(ref_loss, tuple):
+    loss, ref_loss = loss.loss[0] if isinstance(loss, dict) else loss, ref_loss[0]
+  assert _RelErr(loss, ref_loss) <= 1e-5
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+  _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
+
+
+@pytest.mark.parametrize('remat', gpipe.REMAT_MODES)
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testUnevenMicroBatchesAreExact(sched, remat):
+  """Batch 10, M=4 (3, 3, 2, 2) with dropout: every schedule and remat mode equals the
+  whole batch on one device; a mean loss is weighted by micro-batch size."""
+  _AssertUnevenExact(_UnevenPipe(sched, remat), _Input()[:10], _Loss)
+
+
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testUnevenMicroBatchesWithSumAndPairLossesAndUnevenReplicas(sched):
+  """Sum and (value, weight) losses; 11 rows on 2 replicas: 6 (2, 2, 1, 1) and 5 (2, 1, 1, 1)."""
+  pipe = _UnevenPipe(sched, 'always')
+  for loss_fn in (_SumLoss, _MeanPair):
+    _AssertUnevenExact(pipe, _Input()[:10], loss_fn)
+  _AssertUnevenExact(_UnevenPipe(sched, 'always', num_replicas=2), _Input()[:11], _Loss)
+
+
+def testUnevenMicroBatchesRefuseAPairWhoseWeightDoesNotCountItsItems():
+  pipe = _UnevenPipe('1f1b', 'always')
+  with pytest.raises(ValueError, match=r"uneven sizes \[3, 3, 2, 2\], but its 'loss' "
+                     r'\(value, weight\) on a whole batch .* is not the weighted mean'):
+    pipe.ForwardBackward(pipe.theta, _Input()[:10], lambda y: (_Loss(y), 1.0))
+  _AssertUnevenExact(pipe, _Input()[:8], lambda y: (_Loss(y), 1.0))  # Even: exact.
+
+
+@pytest.mark.parametrize('sched', ['gpipe', '1f1b', 'zbv'])
+def testBatchOfUnknownSizeAtTraceTime(sched):
+  """One trace of a [None, DIM] signature trains any batch of at least M examples exactly,
+  refuses a smaller one when it runs, and serves any batch, one example too."""
+  pipe = _UnevenPipe(sched, 'except_last')
+  spec = tf.TensorSpec([None, DIM])
+
+  @tf.function(input_signature=[spec])
+  def Train(x):
+    with py_utils.Context(step=7):
+      return pipe.ForwardBackward(pipe.theta, x, _Loss)
+
+  for rows in (10, 5):
+    _AssertUnevenExact(pipe, _Input()[:rows], _Loss, lambda theta, x, loss_fn: Train(x))
+  with pytest.raises(tf.errors.InvalidArgumentError, match='at least num_micro_batches x '
+                     'num_replicas = 4 examples'):
+    Train(_Input()[:3])
+  if sched == 'gpipe':
+    serve = tf.function(lambda x: pipe(x), input_signature=[spec])
+    with py_utils.EvalMode():
+      for rows in (1, 10):
+        x = _Input()[:rows]
+        want = x
+        for cell, th in zip(pipe.cell, pipe.theta.cell):
+          want = cell.FProp(th, want)
+        assert _RelErr(serve(x), want) <= 1e-5
+
+
 def testBadCellsAndDevicesAreClearErrors():
   with pytest.raises(ValueError, match=r'cell_tpl must be a list of layer params, one per '
                      r'stage; got InstantiableParams'):
@@ -685,9 +778,9 @@ def testBfloat16CrossesStagesWhileGradientsStayFloat32():
 
 
 @pytest.mark.parametrize('make,match', [
-    (lambda: _Pipe(2, 3).ForwardBackward(_Pipe(2, 3).theta, _Input(), _Loss),
-     'Batch size 16 is not divisible by num_micro_batches=3'),
-    (lambda: _Pipe(2, 32)(_Input()), 'num_micro_batches=32 is larger than the batch size 16'),
+    (lambda: _Pipe(2, 32).ForwardBackward(_Pipe(2, 32).theta, _Input(), _Loss),
+     'A batch of 16 examples is smaller than num_micro_batches=32'),
+    (lambda: _Pipe(2, 32)(_Input()), 'every micro-batch needs at least one example'),
     (lambda: _Pipe(2, 2, remat='sometimes'), "Unknown remat 'sometimes'"),
     (lambda: _Pipe(2, 2, sched='zb'), "Unknown schedule 'zb'"),
     (lambda: gpipe.PipeliningLayer.Params().Set(name='p').Instantiate(), 'cell_tpl is empty'),
@@ -926,8 +1019,9 @@ def testReplicaStepsRunOnTheirOwnDevices():
 
 
 def testReplicaErrors():
-  with pytest.raises(ValueError, match='Batch size 16 is not divisible by num_replicas=3'):
-    _Pipe(1, 1, num_replicas=3).GetSchedule(BATCH)
+  with pytest.raises(ValueError, match='A batch of 16 examples is smaller than '
+                     'num_micro_batches=8 x num_replicas=3'):
+    _Pipe(1, 8, num_replicas=3).GetSchedule(BATCH)
   with pytest.raises(ValueError, match=r'needs 6 devices \(3 replicas x 2 stages\) but only 4'):
     _Pipe(2, 2, num_replicas=3)
   with pytest.raises(ValueError, match='num_replicas must be a positive int, got 0'):

@@ -126,18 +126,40 @@ def testCallbacksValidationSaveLoadAndExport(tmp_path):
   np.testing.assert_array_equal(loaded.predict(x, batch_size=_BATCH, verbose=0), expected)
   assert loaded.evaluate(x, y, batch_size=_BATCH, verbose=0) == pytest.approx(
       pipe.evaluate(x, y, batch_size=_BATCH, verbose=0), rel=1e-6)
-  pipe.export(str(tmp_path / 'export'), input_signature=[tf.TensorSpec([_BATCH, 12])],
-              verbose=False)
+  pipe.export(str(tmp_path / 'export'), verbose=False)  # A [None, 12] signature.
   exported = tf.saved_model.load(str(tmp_path / 'export'))  # Kept: serve needs its variables.
-  np.testing.assert_allclose(exported.serve(x[:_BATCH]).numpy(), expected[:_BATCH], rtol=1e-6)
+  for rows in (1, 5, _BATCH):  # Fewer rows than micro-batches, uneven, even.
+    np.testing.assert_allclose(exported.serve(x[:rows]).numpy(), expected[:rows], rtol=1e-6)
 
 
-def testAPartialBatchIsAClearError():
-  pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=2,
+def testPartialLastBatchTrainsLikeSequential():
+  """40 examples in batches of 16, 16 and 8, M=3: micro-batches 6, 5, 5 and 3, 3, 2, with
+  dropout; losses and weights equal the unpipelined model's."""
+  keras.utils.set_random_seed(4)
+  layers = _Layers(dropout=True)
+  pipe = keras_pipeline.PipelineModel(layers, num_stages=2, num_micro_batches=3,
+                                      input_shape=(12,))
+  seed = pipe.pipeline.LayersByPath()['pipeline/dropout1'].layer_seed
+  ref_layers = list(layers)
+  ref_layers[1] = _ReferenceDropout(0.25, seed, lambda: ref.optimizer.iterations)
+  ref = keras.Sequential([keras.Input((12,))] + ref_layers)
+  ref.set_weights(pipe.get_weights())
+  x, y = _Data(40, seed=5)
+  pipe_losses, ref_losses = _Fit(pipe, x, y), _Fit(ref, x, y)
+  assert len(pipe_losses) == 3
+  np.testing.assert_allclose(pipe_losses, ref_losses, rtol=1e-5)
+  assert _RelativeDifference(pipe.get_weights(), ref.get_weights()) < 1e-5
+  np.testing.assert_allclose(pipe.predict(x[:7], batch_size=_BATCH, verbose=0),
+                             ref.predict(x[:7], verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def testALastBatchSmallerThanMIsAClearErrorAndScheduleIsChecked():
+  pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=4,
                                       input_shape=(12,))
   pipe.compile('sgd', 'mse')
-  x, y = _Data(40)
-  with pytest.raises(ValueError, match='batch of unknown size.*drop_remainder=True'):
+  x, y = _Data(34)  # Batches of 16, 16 and 2.
+  with pytest.raises(tf.errors.InvalidArgumentError, match='at least num_micro_batches x '
+                     'num_replicas = 4 examples'):
     pipe.fit(x, y, batch_size=_BATCH, verbose=0)
   with pytest.raises(ValueError, match='not supported'):
     keras_pipeline.PipelineModel(_Layers(), schedule='1f1b')

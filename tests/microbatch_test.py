@@ -34,18 +34,52 @@ def testSplitAlongOtherDimension():
 
 
 @pytest.mark.parametrize('kwargs,match', [
-    (dict(num_micro_batches=4), 'Batch size 6 is not divisible by num_micro_batches=4'),
-    (dict(num_micro_batches=8), 'num_micro_batches=8 is larger than the batch size 6'),
+    (dict(num_micro_batches=8), 'A batch of 6 examples is smaller than num_micro_batches=8'),
+    (dict(num_micro_batches=4, num_replicas=2), r'smaller than num_micro_batches=4 x '
+     r'num_replicas=2: every micro-batch needs at least one example'),
     (dict(num_micro_batches=0), 'positive int'),
-    (dict(micro_batch_size=4), 'Batch size 6 is not divisible by micro_batch_size 4'),
+    (dict(micro_batch_size=0), 'positive int'),
 ])
 def testBadMicroBatchCounts(kwargs, match):
   with pytest.raises(ValueError, match=match):
     microbatch.NumMicroBatches(6, **kwargs)
+  with pytest.raises(ValueError, match='micro_batch_size=2 needs a batch size known at trace'):
+    microbatch.NumMicroBatches(None, micro_batch_size=2)
 
 
 def testMicroBatchSize():
   assert microbatch.NumMicroBatches(6, micro_batch_size=2) == 3
+  assert microbatch.NumMicroBatches(6, micro_batch_size=4) == 2  # 3, 3.
+  assert microbatch.NumMicroBatches(7, micro_batch_size=2, num_replicas=2) == 2  # 4=2+2, 3=2+1.
+  assert microbatch.NumMicroBatches(6, num_micro_batches=4) == 4  # 2, 2, 1, 1.
+  assert microbatch.NumMicroBatches(3, num_micro_batches=4, allow_empty=True) == 4
+  assert microbatch.NumMicroBatches(None, num_micro_batches=4) == 4
+
+
+def testUnevenSplit():
+  x = tf.reshape(tf.range(20), [10, 2])
+  assert microbatch.Sizes(10, 4) == [3, 3, 2, 2]
+  assert microbatch.Offsets([3, 3, 2, 2]) == [0, 3, 6, 8]
+  pieces = microbatch.Split((x, None), 4)
+  assert [p[0].shape[0] for p in pieces] == [3, 3, 2, 2]
+  np.testing.assert_array_equal(pieces[2][0].numpy(), x.numpy()[6:8])
+  np.testing.assert_array_equal(microbatch.Merge(pieces)[0].numpy(), x.numpy())
+
+
+def testSplitOfUnknownBatchSize():
+  """A batch of unknown size at trace time splits at run time as a known one would."""
+  @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.int32)])
+  def SplitSizes(x):
+    assert microbatch.BatchSize((x,), 0).dtype == tf.int32
+    pieces = microbatch.Split(x, 4)
+    assert pieces[0].shape.as_list() == [None, 2]
+    return [tf.shape(p)[0] for p in pieces], microbatch.Merge(pieces)
+
+  for rows, expected in ((10, [3, 3, 2, 2]), (4, [1, 1, 1, 1]), (1, [1, 0, 0, 0])):
+    x = tf.reshape(tf.range(2 * rows), [rows, 2])
+    sizes, merged = SplitSizes(x)
+    assert [int(s) for s in sizes] == expected
+    np.testing.assert_array_equal(merged.numpy(), x.numpy())
 
 
 def testBatchSizeChecks():

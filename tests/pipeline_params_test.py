@@ -71,11 +71,13 @@ def testRecutKeepsTheLayersAndRefusesBadEnds():
 
 def testCheckBatchNamesBothParams():
   p = _Pipe([1, 2], num_micro_batches=3)
-  with pytest.raises(ValueError, match=r'input.batch_size=32 is not divisible by '
-                     r'task.num_micro_batches=3'):
-    pipeline_params.CheckBatch(p, 32, 'input.batch_size', 'task')
-  pipeline_params.CheckBatch(p, 33, 'input.batch_size')
+  pipeline_params.CheckBatch(p, 32, 'input.batch_size', 'task')  # Micro-batches 11, 11, 10.
+  with pytest.raises(ValueError, match=r'input.batch_size=2 cannot be split by '
+                     r'task.num_micro_batches=3: .*every micro-batch needs at least one'):
+    pipeline_params.CheckBatch(p, 2, 'input.batch_size', 'task')
   replicated = _Pipe([1, 2], micro_batch_size=4, num_replicas=2)
   assert pipeline_params.NumMicroBatches(replicated, 32) == 4
-  with pytest.raises(ValueError, match=r'micro_batch_size=4 x pipe.num_replicas=2'):
-    pipeline_params.CheckBatch(replicated, 36, 'batch', 'pipe')
+  assert pipeline_params.NumMicroBatches(replicated, 36) == 5  # 18 rows a replica: 4,4,4,3,3.
+  with pytest.raises(ValueError, match=r'micro_batch_size=4 x pipe.num_replicas=2: A batch '
+                     r'of 1 examples is smaller than num_micro_batches=1 x num_replicas=2'):
+    pipeline_params.CheckBatch(replicated, 1, 'batch', 'pipe')

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from lingvo_gpipe import model_registry
 from lingvo_gpipe import learner
+from lingvo_gpipe import pipeline_check
 from lingvo_gpipe import tasks
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import layers_with_gpipe
@@ -254,3 +255,49 @@ def testEncoderDecoderLearnsToReverse():
   assert before['loss'] > 2.5
   assert after['loss'] < before['loss'] - 1.5
   assert after['token_accuracy'] > 0.6
+
+
+def testRegisteredLmServesAnyBatchWithoutLabels():
+  """One [None, T] trace of Inference takes ids and paddings only, for 1, 5 (uneven over
+  M=2) and 32 examples: the argmax of the labeled evaluation, and of the unpipelined model."""
+  model_params = model_registry.GetParams('lm.synthetic.GPipeTransformerLmTiny', 'Train')
+  task = model_params.task.Instantiate()
+  plain = pipeline_check.UnpipelinedParams(model_params).task.Instantiate()
+  for a, b in zip(plain.variables, task.variables):
+    a.assign(b)
+  batch = next(iter(model_params.input.Instantiate().GetDataset()))
+  with py_utils.EvalMode():
+    want = task.ComputePredictions(task.theta, batch).argmax.numpy()
+  seq_len = batch.ids.shape[1]
+
+  def Serve(model):
+    return tf.function(
+        lambda ids, paddings: model.Inference(model.theta,
+                                              py_utils.NestedMap(ids=ids, paddings=paddings)),
+        input_signature=[tf.TensorSpec([None, seq_len], tf.int32),
+                         tf.TensorSpec([None, seq_len], tf.float32)])
+
+  serve, serve_plain = Serve(task), Serve(plain)
+  for rows in (1, 5, 32):
+    ids, paddings = batch.ids[:rows], tf.cast(batch.paddings[:rows], tf.float32)
+    out = serve(ids, paddings)
+    np.testing.assert_array_equal(out.argmax.numpy(), want[:rows])
+    np.testing.assert_array_equal(serve_plain(ids, paddings).argmax.numpy(), want[:rows])
+
+
+def testLmOnUnevenMicroBatchesEqualsTapeOverFPropTower():
+  """7 sequences of uneven lengths, M=3 (3, 2, 2): the token-weighted metrics and gradients
+  of a per-micro-batch schedule (1F1B) equal the differentiable FProp's on the whole batch."""
+  task, whole = (tasks.LanguageModelTask.Params().Set(name='lm', stack=stack).Instantiate()
+                 for stack in (_Stack(num_micro_batches=3, schedule='1f1b'),
+                               _Stack(num_micro_batches=1)))
+  for a, b in zip(whole.variables, task.variables):
+    a.assign(b)
+  weights = tf.sequence_mask([6, 3, 5, 1, 2, 6, 4], 6, dtype=tf.float32)
+  batch = NestedMap(ids=_Ints([7, 6], 1), labels=_Ints([7, 6], 2), paddings=1.0 - weights,
+                    weights=weights)
+  metrics, grads = task.ForwardBackward(task.theta, batch)
+  tape_metrics, tape_grads = super(tasks.PipelinedTask, whole).ForwardBackward(whole.theta,
+                                                                               batch)
+  tf.nest.map_structure(_Close, metrics, tape_metrics)
+  tf.nest.map_structure(lambda a, b: _Close(a, tf.convert_to_tensor(b)), grads, tape_grads)

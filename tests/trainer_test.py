@@ -267,9 +267,10 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
         "--model_params_override=task.stack.devices : ['/device:CPU:0', '/device:GPU:3']"],
        "Cannot build the task: Device '/device:GPU:3' does not exist here"),
       (['--model=lm.synthetic.GPipeTransformerLmTiny', logdir,
-        '--model_params_override=task.stack.num_micro_batches : 3'],
-       'input.batch_size=32 is not divisible by task.stack.num_micro_batches=3: every '
-       'micro-batch must hold the same number of examples.'),
+        '--model_params_override=task.stack.num_micro_batches : 64'],
+       'input.batch_size=32 cannot be split by task.stack.num_micro_batches=64: A batch of 32 '
+       'examples is smaller than num_micro_batches=64: every micro-batch needs at least one '
+       'example.'),
       ([model, logdir, '--model_params_override=input.num_batches : abc'],
        "cannot parse 'abc' as NoneType (bare word 'abc': quote a string"),
       ([model, logdir, '--model_params_override=task.train.learning_rate : -0.1'],

@@ -22,7 +22,9 @@ cannot run ahead and hold more activations than the schedule says. A forward
 and a fused backward are each one call of a per-chunk function (`CellFunctions`),
 which keeps graphs small; B and W are inline, because the tape that W reuses
 cannot leave a function. With R replicas (`Replicas`) every replica runs the
-same actions on 1/R of the batch and their weight gradients are summed.
+same actions on 1/R of the batch and their weight gradients are summed. Parts of
+a batch that R or M does not divide differ by a row (microbatch.Split); each
+micro-batch's random ops and statistics use its own offset and size.
 """
 
 import contextlib
@@ -54,7 +56,7 @@ def Replaced(values, positions, replacements):
   return values
 
 
-def _After(tokens, structure):
+def After(tokens, structure):
   """`structure` made to wait for `tokens` (no-op when eager: Python orders it)."""
   if not tokens or tf.executing_eagerly():
     return structure
@@ -152,7 +154,7 @@ class StepTracer:
   def Start(self, device, inputs):
     """(stamp when inputs are ready, the inputs made to wait for it)."""
     start = Stamp(self.clocks[device], inputs)
-    return start, _After([start], inputs)
+    return start, After([start], inputs)
 
   def End(self, replica, device, action, start, outputs, recompute_end=None):
     end = Stamp(self.clocks[device], (outputs, recompute_end))
@@ -267,7 +269,10 @@ class Pass:
     self.training = py_utils.CurrentContext().training
     self.step = step  # Kept here: a backward runs when the tape asks, maybe out of context.
     self.first_example = first_example
-    self.micro_batch_size = microbatch.BatchSize(micro_args[0], layer.params.batch_dim)
+    # Rows of each micro-batch (uneven when M does not divide the rows; tensors when the
+    # batch size is unknown at trace time) and where each starts in this replica's rows.
+    self.sizes = [microbatch.BatchSize(args, layer.params.batch_dim) for args in micro_args]
+    self.offsets = microbatch.Offsets(self.sizes)
     self.devices = layer.ReplicaDevices(replica)
     self.placement = layer.placement
     self.functions = layer.cell_functions[replica]
@@ -309,11 +314,11 @@ class Pass:
 
   def _Where(self, m):
     """(offset of micro-batch m in the whole batch, its size, step): what random ops need."""
-    return (self.first_example + m * self.micro_batch_size, self.micro_batch_size, self.step)
+    return (self.first_example + self.offsets[m], self.sizes[m], self.step)
 
   def _Begin(self, device, inputs):
     """`inputs` made to wait for the device's previous action; (start stamp or None, inputs)."""
-    inputs = _After(self.tokens[device], inputs)
+    inputs = After(self.tokens[device], inputs)
     if self.tracer is None:
       return None, inputs
     return self.tracer.Start(device, inputs)
@@ -371,8 +376,8 @@ class Pass:
     m again under a tape. It also waits for the output gradient, so a device holds a chunk's
     activations only while it can run that chunk's backward."""
     waits = [g for g in tf.nest.flatten(grads_in) if g is not None]
-    start, (args, grads_in) = self._Begin(device, _After(waits, (self.inputs.pop((m, c)),
-                                                                 grads_in)))
+    start, (args, grads_in) = self._Begin(device, After(waits, (self.inputs.pop((m, c)),
+                                                                grads_in)))
     tape = tf.GradientTape(watch_accessed_variables=False, persistent=True)
     with tape, py_utils.Context(updates=[]):  # The forward recorded the statistics.
       _Watch(tape, self.thetas[c], args)
@@ -392,7 +397,7 @@ class Pass:
       recomputed = None
     else:
       waits = self.tokens[device] + [g for g in tf.nest.flatten(grads_in) if g is not None]
-      args, grads_in = _After(waits, (self.inputs.pop((m, c)), grads_in))
+      args, grads_in = After(waits, (self.inputs.pop((m, c)), grads_in))
       start, (args, grads_in) = self._Begin(device, (args, grads_in))
       clock = None if self.tracer is None else self.tracer.clocks[device]
       d_args, self.theta_grads[c], recomputed = self.functions[c].Backward(
@@ -481,12 +486,12 @@ class Replicas:
     batch_dim = layer.params.batch_dim
     parts = microbatch.Split(args, layer.num_replicas, batch_dim) if (
         layer.num_replicas > 1) else [args]
-    rows = microbatch.BatchSize(parts[0], batch_dim)
+    firsts = microbatch.Offsets([microbatch.BatchSize(part, batch_dim) for part in parts])
     self.passes = [
         Pass(layer, r, layer.ReplicaThetas(thetas, r),
              microbatch.Split(part, num_micro_batches, batch_dim), remat, keep_inputs, step,
-             first_example=r * rows, tracer=tracer)
-        for r, part in enumerate(parts)]
+             first_example=first, tracer=tracer)
+        for r, (part, first) in enumerate(zip(parts, firsts))]
 
   def Execute(self, actions, on_loss=None):
     """Runs the actions, each on every replica.

@@ -3,7 +3,9 @@
 A PipeliningLayer cuts a network into cells (chunks) on K devices and a batch
 into M micro-batches. One micro-batch's path through a training step:
 
-  1. split: the batch is cut along `batch_dim` (microbatch.Split);
+  1. split: the batch is cut along `batch_dim` (microbatch.Split), into parts that
+     differ by a row if M does not divide it, sized at run time if its size is
+     unknown at trace time;
   2. forward F(m, c): chunk c runs on its device; only its input, the boundary
      activation, is kept (with remat) and handed to chunk c+1;
   3. loss L(m): on the last chunk's device, per micro-batch or, for fill-drain,
@@ -248,19 +250,24 @@ class PipeliningLayer(base_layer.BaseLayer):
     """Shares weights among layers built from LayersAndEnds, as the pipeline itself does."""
     del p, layer_list  # Nothing is shared in a plain pipeline.
 
-  def NumMicroBatches(self, batch_size):
-    """M of each replica for a whole batch of `batch_size`."""
+  def NumMicroBatches(self, batch_size, allow_empty=False):
+    """M of each replica for a whole batch of `batch_size` rows (None: unknown at trace time).
+
+    M need not divide the rows: micro-batches then differ by a row. A training
+    batch must give every micro-batch of every replica an example; a forward
+    pass (allow_empty) may leave some empty, e.g. to serve one example.
+    """
     p = self.params
-    if batch_size % p.num_replicas:
-      raise ValueError(f'Batch size {batch_size} is not divisible by num_replicas='
-                       f'{p.num_replicas}.')
-    return microbatch.NumMicroBatches(batch_size // p.num_replicas, p.num_micro_batches,
-                                      p.micro_batch_size)
+    return microbatch.NumMicroBatches(batch_size, p.num_micro_batches, p.micro_batch_size,
+                                      p.num_replicas, allow_empty)
 
   def GetSchedule(self, batch_size):
     """The schedule a batch of `batch_size` runs; print it to see it."""
-    return schedule_lib.Schedule(self.params.schedule, self.num_stages,
-                                 self.NumMicroBatches(batch_size), self.params.virtual_stages)
+    return self._Schedule(self.NumMicroBatches(batch_size))
+
+  def _Schedule(self, num_micro_batches):
+    return schedule_lib.Schedule(self.params.schedule, self.num_stages, num_micro_batches,
+                                 self.params.virtual_stages)
 
   def CellFProp(self, c, theta, args):
     """Chunk c's (output argument tuple, fetched activations) in the fprop dtype."""
@@ -289,14 +296,15 @@ class PipeliningLayer(base_layer.BaseLayer):
     (outputs, NestedMap of activations).
     """
     args = self._Before(theta, inputs)
-    num = self.NumMicroBatches(microbatch.BatchSize(args, self.params.batch_dim))
+    training = py_utils.CurrentContext().training
+    args, _, num = self._MicroBatching(args, training)
     thetas = self._ChunkThetas(theta)
-    if py_utils.CurrentContext().training:
+    if training:
       outputs, acts = self._DifferentiablePipeline(thetas, args, num)
     else:
       run = executor.Replicas(self, thetas, args, num, remat='always', step=0,
                               keep_inputs=False, tracer=self._Tracer())
-      run.Execute([s.action for s in self.GetSchedule(self._Rows(args)).steps
+      run.Execute([s.action for s in self._Schedule(num).steps
                    if s.action.kind == schedule_lib.FORWARD])
       outputs, acts = run.MergedOutputs()
     return self._Result(outputs, acts)
@@ -316,21 +324,22 @@ class PipeliningLayer(base_layer.BaseLayer):
         leaves the last chunk, so the loss must decompose, and every schedule
         gives the same loss and gradients: (value, weight) pairs merge as
         sum(value * weight) / sum(weight); a bare scalar must be the sum or the
-        mean of its micro-batch values, which a probe on random outputs tells,
-        else it is refused with a ValueError (metrics.MicroBatchLoss).
+        mean of its micro-batch values (weighted by their rows when M does not
+        divide the batch), which a probe on random outputs tells, else it is
+        refused with a ValueError (metrics.MicroBatchLoss).
 
     Returns:
       (loss, grads), grads a NestedMap shaped like theta; if loss_fn returns a
       NestedMap, the first value is the NestedMap of merged (value, weight).
     """
     args, before_tape = self._BeforeWithTape(theta, executor.AsArgs(inputs))
-    num = self.NumMicroBatches(microbatch.BatchSize(args, self.params.batch_dim))
-    sched = self.GetSchedule(self._Rows(args))
+    args, rows, num = self._MicroBatching(args, training=True)
+    sched = self._Schedule(num)
     run = executor.Replicas(self, self._ChunkThetas(theta), args, num, self.params.remat,
                             self._Step(), tracer=self._Tracer())
     metrics = []  # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
     micro_loss_fn = None if sched.whole_batch_loss else metrics_lib.MicroBatchLoss(
-        loss_fn, num * self.num_replicas, self.params.batch_dim, self.params.schedule)
+        loss_fn, num * self.num_replicas, rows, self.params.batch_dim, self.params.schedule)
 
     def OnLoss(one, m):
       if one is None:  # L(*): the whole batch's loss, once over every replica.
@@ -356,9 +365,18 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   # -- internals -------------------------------------------------------------------
 
-  def _Rows(self, args):
-    """The whole batch's rows, before the replicas split it."""
-    return microbatch.BatchSize(args, self.params.batch_dim)
+  def _MicroBatching(self, args, training):
+    """(args, the whole batch's rows (an int, or a tensor if unknown at trace time), M).
+
+    A training batch of unknown size is checked when it runs: args then wait for
+    an assertion that every micro-batch holds an example.
+    """
+    rows = microbatch.BatchSize(args, self.params.batch_dim)
+    static = rows if isinstance(rows, int) else None
+    num = self.NumMicroBatches(static, allow_empty=not training)
+    if training and static is None:
+      args = executor.After([microbatch.CheckNotEmpty(rows, num * self.num_replicas)], args)
+    return args, rows, num
 
   def _Tracer(self):
     """A StepTracer when the context collects step timings, else None."""
@@ -430,7 +448,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   def _DifferentiablePipeline(self, thetas, args, num):
     """The training forward, with the pipelined backward as its custom gradient: the
     schedule's actions before its whole-batch loss L(*), then, in the gradient, after it."""
-    sched = self.GetSchedule(self._Rows(args))
+    sched = self._Schedule(num)
     if not sched.whole_batch_loss:
       raise ValueError(f"FProp under a gradient tape runs fill-drain ('gpipe'); with "
                        f"schedule={self.params.schedule!r} use ForwardBackward.")

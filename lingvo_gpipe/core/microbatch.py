@@ -2,8 +2,12 @@
 
 Every tensor of an input structure (a tensor, tuple or NestedMap) is split along
 the batch dimension; non-tensor leaves such as None are shared by all
-micro-batches. Sizes are checked up front so a bad batch is a clear error, not a
-failure deep inside a pipeline stage.
+micro-batches. A batch of N rows splits into M parts as evenly as it can: the
+first N % M parts hold one row more (10 rows, M=4: 3, 3, 2, 2). N may be
+unknown when the graph is traced (a `[None, d]` signature): the part sizes are
+then tensors, computed the same way from the batch at run time. Sizes are
+checked up front so a bad batch is a clear error, not a failure deep inside a
+pipeline stage.
 """
 
 import tensorflow as tf
@@ -13,55 +17,99 @@ def _Tensors(structure):
   return [x for x in tf.nest.flatten(structure) if isinstance(x, (tf.Tensor, tf.Variable))]
 
 
-def BatchSize(structure, batch_dim):
-  """The common static batch size of all tensors in `structure`."""
+def StaticBatchSize(structure, batch_dim):
+  """The common batch size of all tensors in `structure`, or None if unknown at trace time."""
   sizes = set()
   for x in _Tensors(structure):
     if x.shape.rank is None or x.shape.rank <= batch_dim:
       raise ValueError(f'Input of shape {x.shape} has no batch dimension {batch_dim}.')
-    size = x.shape[batch_dim]
-    if size is None:
-      raise ValueError(f'Input of shape {x.shape} has an unknown batch size at dimension '
-                       f'{batch_dim}; the pipeline needs a static batch size.')
-    sizes.add(size)
+    sizes.add(x.shape[batch_dim])
   if not sizes:
     raise ValueError('The pipeline input holds no tensor to split into micro-batches.')
-  if len(sizes) > 1:
-    raise ValueError(f'Pipeline inputs disagree on the batch size: {sorted(sizes)} at '
+  known = sorted(s for s in sizes if s is not None)
+  if len(known) > 1:
+    raise ValueError(f'Pipeline inputs disagree on the batch size: {known} at '
                      f'dimension {batch_dim}.')
-  return sizes.pop()
+  return known[0] if known else None
 
 
-def NumMicroBatches(batch_size, num_micro_batches=1, micro_batch_size=None):
-  """M from either M or the micro-batch size, checked against the batch size."""
+def BatchSize(structure, batch_dim):
+  """The batch size of `structure`: an int if known at trace time, else a scalar int32 tensor."""
+  static = StaticBatchSize(structure, batch_dim)
+  if static is not None:
+    return static
+  return tf.shape(_Tensors(structure)[0])[batch_dim]
+
+
+def Sizes(batch_size, num_parts):
+  """The rows of each of num_parts parts of a batch: ints, or tensors for a tensor batch size."""
+  if isinstance(batch_size, int):
+    base, rest = divmod(batch_size, num_parts)
+    return [base + (m < rest) for m in range(num_parts)]
+  base, rest = batch_size // num_parts, batch_size % num_parts
+  return [base + tf.cast(m < rest, batch_size.dtype) for m in range(num_parts)]
+
+
+def Offsets(sizes):
+  """Where each part of `sizes` starts in the batch."""
+  offsets = [0]
+  for size in sizes[:-1]:
+    offsets.append(offsets[-1] + size)
+  return offsets
+
+
+def NumMicroBatches(batch_size, num_micro_batches=1, micro_batch_size=None, num_replicas=1,
+                    allow_empty=False):
+  """M per replica, from either M or the micro-batch size.
+
+  batch_size: the whole batch's rows, or None if unknown at trace time (then
+    M must be given as num_micro_batches). micro_batch_size gives M = the
+    largest replica part's rows / micro_batch_size, rounded up.
+  allow_empty: whether a batch may leave micro-batches without rows (a forward
+    pass may; a training step's loss and statistics need every micro-batch to
+    hold an example).
+  """
   if micro_batch_size is not None:
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
       raise ValueError(f'micro_batch_size must be a positive int, got {micro_batch_size!r}.')
-    if batch_size % micro_batch_size:
-      raise ValueError(f'Batch size {batch_size} is not divisible by micro_batch_size '
-                       f'{micro_batch_size}.')
-    return batch_size // micro_batch_size
-  if not isinstance(num_micro_batches, int) or num_micro_batches < 1:
-    raise ValueError(f'num_micro_batches must be a positive int, got {num_micro_batches!r}.')
-  if num_micro_batches > batch_size:
-    raise ValueError(f'num_micro_batches={num_micro_batches} is larger than the batch size '
-                     f'{batch_size}: every micro-batch needs at least one example.')
-  if batch_size % num_micro_batches:
-    raise ValueError(f'Batch size {batch_size} is not divisible by num_micro_batches='
-                     f'{num_micro_batches}.')
-  return num_micro_batches
+    if batch_size is None:
+      raise ValueError(f'micro_batch_size={micro_batch_size} needs a batch size known at '
+                       'trace time; with a batch of unknown size set num_micro_batches.')
+    largest_part = -(-batch_size // num_replicas)
+    num = -(-largest_part // micro_batch_size)
+  else:
+    if not isinstance(num_micro_batches, int) or num_micro_batches < 1:
+      raise ValueError(f'num_micro_batches must be a positive int, got {num_micro_batches!r}.')
+    num = num_micro_batches
+  if batch_size is not None and not allow_empty and batch_size < num * num_replicas:
+    replicas = f' x num_replicas={num_replicas}' if num_replicas > 1 else ''
+    raise ValueError(f'A batch of {batch_size} examples is smaller than num_micro_batches='
+                     f'{num}{replicas}: every micro-batch needs at least one example.')
+  return num
 
 
-def Split(structure, num_micro_batches, batch_dim=0):
-  """A list of M structures, micro-batch m holding rows [m*N/M, (m+1)*N/M)."""
+def CheckNotEmpty(batch_size, num_parts):
+  """An assertion op (run time) that a tensor batch_size gives each of num_parts an example."""
+  return tf.debugging.assert_greater_equal(
+      batch_size, tf.cast(num_parts, batch_size.dtype),
+      message=f'A training batch must hold at least num_micro_batches x num_replicas = '
+              f'{num_parts} examples, one per micro-batch; the batch size is')
+
+
+def Split(structure, num_parts, batch_dim=0):
+  """A list of num_parts structures, part m holding its Sizes() rows, in order."""
+  sizes = Sizes(BatchSize(structure, batch_dim), num_parts)
+  if not isinstance(sizes[0], int):
+    sizes = tf.stack(sizes)
+
   def SplitLeaf(x):
     if isinstance(x, (tf.Tensor, tf.Variable)):
-      return tf.split(x, num_micro_batches, axis=batch_dim)
-    return [x] * num_micro_batches
+      return tf.split(x, sizes, num=num_parts, axis=batch_dim)
+    return [x] * num_parts
 
   pieces = [SplitLeaf(x) for x in tf.nest.flatten(structure)]
   return [tf.nest.pack_sequence_as(structure, [p[m] for p in pieces])
-          for m in range(num_micro_batches)]
+          for m in range(num_parts)]
 
 
 def Merge(micro_batches, batch_dim=0):

@@ -15,6 +15,7 @@ Example:
 
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import microbatch
 
 
 def IsPipeline(params):
@@ -61,21 +62,24 @@ def Recut(p, ends):
 
 
 def NumMicroBatches(p, batch_size):
-  """M of pipeline params `p` for a whole batch of `batch_size` (None if not divisible)."""
-  per_replica, rest = divmod(batch_size, p.num_replicas)
-  if rest:
-    return None
-  if p.micro_batch_size is not None:
-    return None if per_replica % p.micro_batch_size else per_replica // p.micro_batch_size
-  return None if per_replica % p.num_micro_batches else p.num_micro_batches
+  """M of pipeline params `p` for a whole (training) batch of `batch_size`.
+
+  Raises a ValueError if the batch cannot give every micro-batch of every replica
+  an example; M need not divide the batch (micro-batches then differ by a row).
+  """
+  return microbatch.NumMicroBatches(batch_size, p.num_micro_batches, p.micro_batch_size,
+                                    p.num_replicas)
 
 
 def CheckBatch(params, batch_size, batch_name, path=''):
-  """Raises a ValueError naming both params if a pipeline cannot split the batch."""
+  """Raises a ValueError naming both params if a pipeline cannot split the batch: it must
+  hold at least one example per micro-batch of each replica."""
   for where, p in Find(params, path):
-    if NumMicroBatches(p, batch_size) is None:
+    try:
+      NumMicroBatches(p, batch_size)
+    except ValueError as e:
       split = (f'{where}.micro_batch_size={p.micro_batch_size}' if p.micro_batch_size
                else f'{where}.num_micro_batches={p.num_micro_batches}')
       replicas = f' x {where}.num_replicas={p.num_replicas}' if p.num_replicas > 1 else ''
-      raise ValueError(f'{batch_name}={batch_size} is not divisible by {split}{replicas}: '
-                       'every micro-batch must hold the same number of examples.')
+      raise ValueError(f'{batch_name}={batch_size} cannot be split by {split}{replicas}: '
+                       f'{e}') from None
