@@ -54,7 +54,8 @@ def _RunOne(config):
   else:
     model = gpipe.PipeliningLayer.Params().Set(
         name='pipeline', cell_tpl=gpipe.CellsFromEnds(layer_params, [len(layer_params)]),
-        num_micro_batches=config['micro_batches'], remat='always').Instantiate()
+        num_micro_batches=config['micro_batches'], remat='always',
+        cell_remat_policy=config['remat_policy']).Instantiate()
   x = tf.random.stateless_normal(shape, [1, 2])
   weights = model.trainable_variables
 
