@@ -13,7 +13,10 @@
    activations: the micro-batches in flight (schedule.py: M for fill-drain, up
    to K for 1F1B) times the stage input with re-materialization, or times the
    stage's activations without, plus one micro-batch's activations for the
-   step running. The plan is the contiguous split minimising the slowest stage
+   step running. A remat policy inside the cells (core/remat.py) keeps a
+   stage's segment inputs instead of its activations, plus one segment's
+   activations while the backward runs, and recomputes each segment's forward
+   once more. The plan is the contiguous split minimising the slowest stage
    among those whose every stage fits the cap (then the most even one, as
    partition.Balance does), and the simulator predicts its step.
 3. Save and load the plan as JSON; ApplyPlan cuts the pipelines of a params
@@ -30,12 +33,22 @@ from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import partition
 from lingvo_gpipe.core import pipeline_params
 from lingvo_gpipe.core import profiler
+from lingvo_gpipe.core import remat as remat_lib
 from lingvo_gpipe.core import simulator
 
 PLAN_FORMAT = 'lingvo_gpipe.balance_plan.v1'
 
 
 # -- planning (no TensorFlow) --------------------------------------------------------------
+
+
+class NoFitError(ValueError):
+  """No split into the stages asked for fits the memory cap; `need` is the leanest split's
+  bytes on its fullest device."""
+
+  def __init__(self, message, need):
+    super().__init__(message)
+    self.need = need
 
 
 def _InFlight(schedule, num_stages, num_micro_batches):
@@ -51,9 +64,12 @@ def _Prefix(values):
 class _StageModel:
   """Time and memory of a stage holding layers j..i-1, vectorized over j."""
 
-  def __init__(self, profiles, in_flight, remat, optimizer_slots):
+  def __init__(self, profiles, in_flight, remat, optimizer_slots, remat_policy):
     if remat not in gpipe.REMAT_MODES:
       raise ValueError(f'Unknown remat {remat!r}; expected one of {list(gpipe.REMAT_MODES)}.')
+    self._names = [p.name for p in profiles]
+    remat_lib.StageSegments(remat_policy, self._names)  # Checks the policy.
+    self._policy = remat_policy
     self._forward = _Prefix([p.forward_s for p in profiles])
     self._backward = _Prefix([p.backward_s for p in profiles])
     self._params = _Prefix([p.param_bytes for p in profiles])
@@ -67,23 +83,38 @@ class _StageModel:
     return self._forward[i] - self._forward[j]
 
   def Backward(self, j, i):
-    """Backward seconds, with the recomputed forward when the stage re-materializes."""
-    backward = self._backward[i] - self._backward[j]
-    return backward + (self.Forward(j, i) if self._remat != 'never' else 0.0)
+    """Backward seconds, with the recomputed forward when the stage re-materializes, and
+    another for the segments of a remat policy."""
+    recomputes = (self._remat != 'never') + (self._policy != remat_lib.NONE)
+    return self._backward[i] - self._backward[j] + recomputes * self.Forward(j, i)
 
   def Time(self, j, i):
     return self.Forward(j, i) + self.Backward(j, i)
 
+  def _Kept(self, j, i):
+    """(bytes a micro-batch's forward keeps for its backward, bytes its backward adds while
+    it runs) of stages j..i-1: all activations and 0, or with a remat policy, the segment
+    inputs and the largest segment's activations."""
+
+    def One(start):
+      segments = remat_lib.StageSegments(self._policy, self._names, start, i)
+      if not segments:
+        return self._acts[i] - self._acts[start], 0.0
+      return (sum(self._inputs[a] for a, _ in segments),
+              max(self._acts[b] - self._acts[a] for a, b in segments))
+
+    return np.vectorize(One, otypes=[np.float64, np.float64])(j)
+
   def Memory(self, j, i):
-    acts = self._acts[i] - self._acts[j]
+    kept, running = self._Kept(j, i)
     inputs = self._inputs[np.asarray(j)]
     if self._remat == 'never':
-      activations = self._in_flight * acts
+      activations = self._in_flight * kept
     elif self._remat == 'always':
-      activations = self._in_flight * inputs + acts
-    else:  # except_last: the last micro-batch keeps all of its activations.
-      activations = (self._in_flight - 1) * inputs + 2 * acts
-    return self._model_factor * (self._params[i] - self._params[j]) + activations
+      activations = self._in_flight * inputs + kept
+    else:  # except_last: the last micro-batch keeps its activations.
+      activations = (self._in_flight - 1) * inputs + 2 * kept
+    return self._model_factor * (self._params[i] - self._params[j]) + activations + running
 
 
 def _Merge(profiles, glued):
@@ -131,7 +162,8 @@ def _Ends(profiles, num_stages, model, cap):
 
 
 def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='always',
-             memory_cap_bytes=None, optimizer_slots=2, glued=(), source=''):
+             memory_cap_bytes=None, optimizer_slots=2, glued=(), source='',
+             remat_policy=remat_lib.NONE):
   """The Plan minimising the slowest stage with every device under memory_cap_bytes.
 
   Args:
@@ -144,16 +176,18 @@ def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='a
     glued: indices of layers that must share a stage with the layer before
       (a GPipe stack's softmax).
     source: what was profiled (a registry key), kept in the plan.
+    remat_policy: the pipeline's cell_remat_policy (core/remat.py).
 
   Raises:
-    ValueError: if no split into K stages fits the cap.
+    NoFitError: if no split into K stages fits the cap.
+    ValueError: for arguments that are not valid.
   """
   units, unit_ends = _Merge(profiles, set(glued))
   if len(units) < num_stages:
     raise ValueError(f'Cannot split {len(units)} layers (after keeping {sorted(glued)} with '
                      f'the layer before) into {num_stages} stages.')
   in_flight = _InFlight(schedule, num_stages, num_micro_batches)
-  model = _StageModel(units, in_flight, remat, optimizer_slots)
+  model = _StageModel(units, in_flight, remat, optimizer_slots, remat_policy)
   cap = np.inf if memory_cap_bytes is None else float(memory_cap_bytes)
   ends = _Ends(units, num_stages, model, cap)
   if ends is None:
@@ -161,12 +195,35 @@ def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='a
     least = partition._SplitDP(_Prefix(np.zeros(len(units))), num_stages, model.Memory,
                                np.maximum)
     need = max(float(model.Memory(j, i)) for j, i in zip([0] + least[:-1], least))
-    raise ValueError(f'No split into {num_stages} stages fits memory_cap_bytes={cap:.4g}: the '
-                     f'leanest split needs {need:.4g} bytes on its fullest device; raise the '
-                     'cap, K or M, or re-materialize.')
+    raise NoFitError(f'No split into {num_stages} stages fits memory_cap_bytes={cap:.4g}: the '
+                     f'leanest split needs {need:.4g} bytes on its fullest device (remat '
+                     f'{remat}, remat policy {remat_policy}); raise the cap, K or M, or '
+                     're-materialize.', need)
   return Plan(source=source, layers=list(profiles), ends=[unit_ends[e - 1] for e in ends],
               num_micro_batches=num_micro_batches, schedule=schedule, remat=remat,
-              optimizer_slots=optimizer_slots, memory_cap_bytes=memory_cap_bytes)
+              optimizer_slots=optimizer_slots, memory_cap_bytes=memory_cap_bytes,
+              remat_policy=remat_policy)
+
+
+def ChoosePlan(profiles, num_stages, num_micro_batches, remat_policies, **kwargs):
+  """The plan of the fastest predicted step among the remat policies whose plans fit.
+
+  kwargs are MakePlan's. A finer policy fits a deeper stage in the cap at the
+  price of a recomputed forward, so under a tight cap it can beat coarser ones.
+
+  Raises:
+    NoFitError: if no policy's plan fits (that of the policy needing least memory).
+  """
+  plans, errors = [], []
+  for policy in remat_policies:
+    try:
+      plans.append(MakePlan(profiles, num_stages, num_micro_batches, remat_policy=policy,
+                            **kwargs))
+    except NoFitError as e:
+      errors.append(e)
+  if not plans:
+    raise min(errors, key=lambda e: e.need)
+  return min(plans, key=lambda plan: plan.Predict().step_time)
 
 
 @dataclasses.dataclass
@@ -180,6 +237,7 @@ class Plan:
   remat: str
   optimizer_slots: int
   memory_cap_bytes: float = None
+  remat_policy: str = remat_lib.NONE
 
   @property
   def num_stages(self):
@@ -191,7 +249,8 @@ class Plan:
 
   def _Model(self):
     in_flight = _InFlight(self.schedule, self.num_stages, self.num_micro_batches)
-    return _StageModel(self.layers, in_flight, self.remat, self.optimizer_slots)
+    return _StageModel(self.layers, in_flight, self.remat, self.optimizer_slots,
+                       self.remat_policy)
 
   def _Bounds(self):
     return list(zip([0] + self.ends[:-1], self.ends))
@@ -225,7 +284,8 @@ class Plan:
     prediction = self.Predict()
     return dict(format=PLAN_FORMAT, source=self.source, ends=self.ends,
                 num_micro_batches=self.num_micro_batches, schedule=self.schedule,
-                remat=self.remat, optimizer_slots=self.optimizer_slots,
+                remat=self.remat, remat_policy=self.remat_policy,
+                optimizer_slots=self.optimizer_slots,
                 memory_cap_bytes=self.memory_cap_bytes,
                 layers=[dataclasses.asdict(p) for p in self.layers], stages=self.Stages(),
                 predicted=dict(step_time_s=prediction.step_time,
@@ -245,7 +305,8 @@ class Plan:
                ends=list(data['ends']), num_micro_batches=data['num_micro_batches'],
                schedule=data['schedule'], remat=data['remat'],
                optimizer_slots=data['optimizer_slots'],
-               memory_cap_bytes=data['memory_cap_bytes'])
+               memory_cap_bytes=data['memory_cap_bytes'],
+               remat_policy=data.get('remat_policy', remat_lib.NONE))  # Older plans: none.
 
 
 def LoadPlan(path):
@@ -264,8 +325,8 @@ def LoadPlan(path):
 def ApplyPlan(params, plan, path=''):
   """Cuts every pipeline of the params tree (in place) by the plan, with its M, schedule, remat.
 
-  The plan's prediction holds for the M, schedule and re-materialization it
-  was made for, so the pipelines take them. The layer names must be the
+  The plan's prediction holds for the M, schedule and re-materialization
+  (remat and cell_remat_policy) it was made for, so the pipelines take them. The layer names must be the
   plan's. Returns one 'path.key=new (was old)' text per value changed.
   """
   pipelines = list(pipeline_params.Find(params, path))
@@ -279,7 +340,8 @@ def ApplyPlan(params, plan, path=''):
                        f'{plan.layer_names}, but {where or p.name} has {names}.')
     pipeline_params.Recut(p, plan.ends)
     wanted = dict(num_micro_batches=plan.num_micro_batches, micro_batch_size=None,
-                  schedule=plan.schedule, remat=plan.remat)
+                  schedule=plan.schedule, remat=plan.remat,
+                  cell_remat_policy=plan.remat_policy)
     for key, value in wanted.items():
       if p.Get(key) != value:
         if value is not None:
