@@ -189,8 +189,13 @@ def _Recomputed(fn, theta, args):
       with tf.GradientTape(watch_accessed_variables=False) as tape:
         tape.watch(inputs)
         _, recomputed = Run(inputs, [])  # The forward recorded the batch statistics.
-      return tape.gradient(recomputed, inputs, output_gradients=d_floats,
-                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      grads = tape.gradient(recomputed, inputs, output_gradients=d_floats,
+                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      # The input gradients start the recompute of the segment before: they wait for the
+      # weight gradients, so that this segment's activations are gone by then.
+      d_theta = grads[:len(flat_theta)]
+      with tf.control_dependencies(d_theta):
+        return d_theta + [tf.identity(g) for g in grads[len(flat_theta):]]
 
     return floats, Grad
 
