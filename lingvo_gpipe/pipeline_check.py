@@ -1,7 +1,7 @@
 """check_pipeline: does a model train the same pipelined as unpipelined?
 
 Builds the model twice from its params: as configured (K stages, M
-micro-batches, schedule, remat, R replicas, devices), and unpipelined: every
+micro-batches, schedule, remat and remat policy, R replicas, devices), and unpipelined: every
 pipeline one stage on one device, fill-drain, no re-materialization, and the
 same micro-batch size (batch norm normalizes per micro-batch, as in GPipe, so
 that is part of the model). Both start from the same weights (the checkpoint's,
@@ -35,14 +35,14 @@ def UnpipelinedParams(model_params):
     pipeline_params.Recut(p, [len(layer_params)])
     if p.micro_batch_size is None:
       p.num_micro_batches *= p.num_replicas  # Replicas split the batch into more micro-batches.
-    p.Set(devices=None, num_replicas=1, remat='never', schedule='gpipe')
+    p.Set(devices=None, num_replicas=1, remat='never', schedule='gpipe', cell_remat_policy='none')
   return plain
 
 
 def _Describe(model_params):
   return '; '.join(
       f'{path}: K={pipeline_params.NumStages(p)}, M={p.num_micro_batches}, {p.schedule}, '
-      f'remat {p.remat}, R={p.num_replicas}' for path, p in
+      f'remat {p.remat}, remat policy {p.cell_remat_policy}, R={p.num_replicas}' for path, p in
       pipeline_params.Find(model_params.task, 'task')) or 'no pipeline in the params'
 
 
@@ -84,8 +84,8 @@ class Report:
 
   def Text(self):
     lines = [f'pipelined: {self.pipelined}',
-             'unpipelined: every pipeline one stage on one device, gpipe, remat never, the '
-             'same micro-batches',
+             'unpipelined: every pipeline one stage on one device, gpipe, remat never, remat '
+             'policy none, the same micro-batches',
              f'start: {self.start}; the same weights in both: '
              f'{"yes" if self.same_start else "NO"}',
              'step  loss pipelined  loss unpipelined  relative difference']

@@ -68,12 +68,15 @@ def _ModelParams(extra_layer=None, **pipe_settings):
 
 def testAPipelineOfDropoutAndBatchNormPasses():
   report = pipeline_check.CheckPipeline(
-      _ModelParams(num_micro_batches=2, num_replicas=2, schedule='1f1b', remat='except_last'),
+      _ModelParams(num_micro_batches=2, num_replicas=2, schedule='1f1b', remat='except_last',
+                   cell_remat_policy='every_layer'),
       num_steps=3)
   assert report.ok and report.same_start, report.Text()
   assert report.loss_difference < 1e-5 and report.weights[0] < 1e-5
   assert report.statistics[1] == 'toy/pipe/bn'  # Moving statistics are compared.
-  assert 'task.pipe: K=2, M=2, 1f1b, remat except_last, R=2' in report.Text()
+  assert ('task.pipe: K=2, M=2, 1f1b, remat except_last, remat policy every_layer, R=2' in
+          report.Text())
+  assert 'gpipe, remat never, remat policy none, the same micro-batches' in report.Text()
   assert report.Text().endswith('PASS (tolerance 0.0001)')
 
 

@@ -61,6 +61,81 @@ def testPlanIsTheFastestSplitThatFitsByBruteForce(seed, remat):
     np.testing.assert_allclose(plan.StageMemory(), [mem for _, mem in stages])
 
 
+def _Chunks(stage_names, policy):
+  """Independent reference: a stage's segments (lists of positions) under a policy."""
+  if policy.startswith('every_'):
+    n = 1 if policy == 'every_layer' else int(policy[len('every_'):])
+    return [list(range(a, min(a + n, len(stage_names)))) for a in range(0, len(stage_names), n)]
+  chunks, current = [], []
+  for pos, name in enumerate(stage_names):
+    current.append(pos)
+    if name in policy.split('+'):
+      chunks.append(current)
+      current = []
+  return chunks + ([current] if current else [])
+
+
+def _PolicyStages(profiles, ends, m, remat, slots, policy):
+  """Independent reference with a remat policy: per stage (seconds, bytes)."""
+  out = []
+  for j, i in zip([0] + list(ends[:-1]), ends):
+    stage = profiles[j:i]
+    chunks = _Chunks([p.name for p in stage], policy)
+    forward = sum(p.forward_s for p in stage)
+    recomputes = (remat != 'never') + 1
+    kept = sum(stage[c[0]].input_bytes for c in chunks)
+    running = max(sum(stage[x].activation_bytes for x in c) for c in chunks)
+    inputs = stage[0].input_bytes
+    acts = {'never': m * kept, 'always': m * inputs + kept,
+            'except_last': (m - 1) * inputs + 2 * kept}[remat] + running
+    out.append((forward * (1 + recomputes) + sum(p.backward_s for p in stage),
+                (2 + slots) * sum(p.param_bytes for p in stage) + acts))
+  return out
+
+
+@pytest.mark.parametrize('seed,remat,policy', [
+    (0, 'always', 'every_layer'), (1, 'always', 'every_2'), (2, 'never', 'every_3'),
+    (3, 'except_last', 'l2+l5'), (4, 'always', 'l0+l3+l4')])
+def testPlanWithARematPolicyIsTheFastestSplitThatFitsByBruteForce(seed, remat, policy):
+  n, k, m, slots = 8, 3, 4, 2
+  profiles = _Profiles(seed, n)
+  splits = {tuple(e): _PolicyStages(profiles, e, m, remat, slots, policy)
+            for e in _AllSplits(n, k)}
+  memories = sorted({max(mem for _, mem in s) for s in splits.values()})
+  for cap in [None] + memories[::3]:
+    fits = [s for s in splits.values() if cap is None or max(mem for _, mem in s) <= cap]
+    best = min(max(t for t, _ in s) for s in fits)
+    plan = planner.MakePlan(profiles, k, m, remat=remat, memory_cap_bytes=cap,
+                            optimizer_slots=slots, remat_policy=policy)
+    stages = splits[tuple(plan.ends)]
+    assert max(t for t, _ in stages) == pytest.approx(best)
+    np.testing.assert_allclose(plan.StageMemory(), [mem for _, mem in stages])
+    np.testing.assert_allclose(plan.StageCosts()[0], [sum(
+        p.forward_s for p in profiles[j:i]) for j, i in zip([0] + plan.ends[:-1], plan.ends)])
+
+
+def testUnderATightCapAFinerPolicyWinsAndAnUnknownOneIsAnError():
+  # Eight equal layers, activations 10x their inputs: at K=1 the whole stage's activations
+  # (80) do not fit a cap of 50, every_layer's inputs plus one layer's (8 + 10) do.
+  profiles = [profiler.LayerProfile(f'l{i}', 1.0, 2.0, 0, 1, 10) for i in range(8)]
+  # M=1 of the profiled rows, fill-drain, remat always: only the remat policy is chosen.
+  only = dict(micro_batches=[1], schedules=['gpipe'], remats=['always'])
+  policies = ['none', 'every_layer', 'every_4']
+  loose, _ = planner.ChoosePlan(profiles, 1, 1, 1, remat_policies=policies, **only)
+  assert loose.remat_policy == 'none' and loose.StageMemory() == [81.0]
+  tight, _ = planner.ChoosePlan(profiles, 1, 1, 1, remat_policies=policies,
+                                memory_cap_bytes=50, **only)
+  assert tight.remat_policy == 'every_layer' and tight.StageMemory() == [1.0 + 8.0 + 10.0]
+  assert tight.StageCosts() == ([8.0], [16.0 + 8.0 + 8.0])  # Two recomputed forwards.
+  with pytest.raises(planner.NoFitError, match='fits memory_cap_bytes=10') as e:
+    planner.ChoosePlan(profiles, 1, 1, 1, remat_policies=['none', 'every_layer'],
+                       memory_cap_bytes=10, **only)
+  assert 'needs 19 bytes on its fullest device (remat always, remat policy every_layer)' in str(
+      e.value)
+  with pytest.raises(ValueError, match="unknown remat policy 'l9'"):
+    planner.MakePlan(profiles, 1, 1, remat_policy='l9')
+
+
 def testCapTradesSpeedForMemoryAndTooSmallACapIsAClearError():
   # Four equal-time layers, the first two holding most activations. The fastest split
   # is [2, 4] (102 bytes on stage 0); under a cap of 60 it is [1, 4] (52 and 54 bytes).
@@ -115,7 +190,7 @@ def testChoosePlanTakesTheFastestCandidateThatFits():
   assert any('why' in c for c in capped_candidates)
   assert all(c['step_time_s'] >= capped_candidates[0]['step_time_s']
              for c in capped_candidates)
-  with pytest.raises(ValueError, match='No M in .* fits memory_cap_bytes=1'):
+  with pytest.raises(planner.NoFitError, match='No split into 2 stages fits memory_cap_bytes=1'):
     planner.ChoosePlan(profiles, 2, 16, 4, memory_cap_bytes=1)
   # A cost per action (dispatch) makes many small micro-batches lose.
   costly, _ = planner.ChoosePlan(profiles, 2, 16, 4, action_overhead_s=5.0)
@@ -132,7 +207,7 @@ def testGluedLayerStaysWithTheLayerBefore():
 
 def testSaveLoadAndPrediction(tmp_path):
   plan = planner.MakePlan(_Profiles(5, 6), 3, 4, schedule='1f1b', memory_cap_bytes=1e9,
-                          source='test')
+                          source='test', remat_policy='every_2')
   path = str(tmp_path / 'plan.json')
   plan.Save(path)
   loaded = planner.LoadPlan(path)
@@ -142,6 +217,9 @@ def testSaveLoadAndPrediction(tmp_path):
   assert loaded.Predict().step_time == pytest.approx(expected.step_time)
   assert loaded.ToJson()['predicted']['bubble_fraction'] == pytest.approx(
       expected.bubble_fraction)
+  older = plan.ToJson()
+  del older['remat_policy']  # A plan saved before remat policies: none.
+  assert planner.Plan.FromJson(older).remat_policy == 'none'
   (tmp_path / 'bad.json').write_text('{"format": "other"}')
   with pytest.raises(ValueError, match="Not a balance plan: format 'other'"):
     planner.LoadPlan(str(tmp_path / 'bad.json'))
@@ -180,6 +258,10 @@ def testApplyPlanToAStackAndToCells():
   pipe = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells, num_micro_batches=2)
   assert planner.ApplyPlan(pipe, _PlanFor(['p0', 'p1', 'p2', 'p3'], [1, 3, 4])) == []
   assert [[q.name for q in c.sub] for c in pipe.cell_tpl] == [['p0'], ['p1', 'p2'], ['p3']]
+  plan = _PlanFor(['p0', 'p1', 'p2', 'p3'], [4])
+  plan.remat_policy = 'every_2'
+  assert planner.ApplyPlan(pipe, plan, 'pipe') == ["pipe.cell_remat_policy='every_2' (was 'none')"]
+  assert [c.params.remat_policy for c in pipe.Instantiate().cell] == ['every_2']
   with pytest.raises(ValueError, match=r"is for layers \['a', 'b'\], but pipe has"):
     planner.ApplyPlan(pipe, _PlanFor(['a', 'b'], [1, 2]))
   with pytest.raises(ValueError, match='no PipeliningLayer'):

@@ -31,13 +31,16 @@ def _TinyArgs(tmp):
                                '--steps=1', '--bubble_steps=1', f'--trace_dir={tmp}/traces'],
       'memory_curves': ['--layers=2', '--width=64', '--hidden=128', '--rows=1024',
                         '--fixed_stages=2', '--micro_batches=4', '--stages=2',
-                        '--fixed_micro_batches=4', '--steps=1'],
+                        '--fixed_micro_batches=4', '--steps=1', '--remat_every=1',
+                        '--remat_stages=2'],
       'capacity_benchmark': ['--budget_mb=16', '--widths=64', '--rows=32', '--seq_len=32',
-                             '--micro_batches=4', '--probe_layers=1,2', '--max_layers=2'],
+                             '--micro_batches=4', '--probe_layers=1,2', '--max_layers=2',
+                             '--remat_policies=none,every_layer'],
       'print_model': ['--model=lm.synthetic.GPipeTransformerLmTiny', '--noshow_params',
                       '--json'],
       'plan_balance': ['--model=mlp', '--layers=4', '--width=32', '--hidden=64', '--rows=16',
-                       '--stages=2', '--micro_batches=2', '--repeats=1', f'--out={tmp}/plan.json'],
+                       '--stages=2', '--micro_batches=2', '--repeats=1', f'--out={tmp}/plan.json',
+                       '--remat_policy=none,every_layer'],
       'cluster_benchmark': ['--layers=2', '--width=32', '--hidden=64', '--rows=64',
                             '--micro_batches=1,2', '--schedules=gpipe,zb_h1', '--calls=1',
                             '--steps_per_call=1',
@@ -105,20 +108,28 @@ def testThroughputBenchmark(runs):
 
 def testMemoryCurves(runs):
   summary, table, _ = _Output(runs, 'memory_curves')
-  plain, point = summary['points']
+  plain, point, every = summary['points']
   assert plain['sweep'] == 'plain' and (point['stages'], point['micro_batches']) == (2, 4)
   assert 0 < point['peak_mb'] < plain['peak_mb']
   assert set(summary['fit']) == {'alpha_mb', 'beta_mb', 'gamma_mb', 'max_relative_error'}
-  assert len(table) == 4
+  # The every_N sweep: against the same K and M without a policy, outside the fit.
+  assert (every['sweep'], every['remat_policy'], every['stages']) == ('N', 'every_1', 2)
+  assert every['peak_x_none'] == pytest.approx(every['peak_mb'] / point['peak_mb'])
+  assert every['time_x_none'] == pytest.approx(every['step_s'] / point['step_s'])
+  assert 'fit_mb' not in every and len(table) == 5
 
 
 def testCapacityBenchmark(runs):
-  summary, _, _ = _Output(runs, 'capacity_benchmark')
-  naive, pipeline = summary['results']
-  assert (naive['mode'], pipeline['mode']) == ('naive', 'pipeline')
-  assert naive['fits'] and pipeline['fits'] and pipeline['capped']
-  assert naive['peak_mb'] <= 16 and pipeline['peak_mb'] <= 16
-  assert pipeline['mb_per_layer'] < naive['mb_per_layer']
+  summary, table, _ = _Output(runs, 'capacity_benchmark')
+  naive, pipeline, every_layer = summary['results']
+  assert (naive['mode'], pipeline['mode'], every_layer['mode']) == ('naive',) + ('pipeline',) * 2
+  assert [r['remat_policy'] for r in summary['results']] == ['none', 'none', 'every_layer']
+  assert [row.split('|')[1].strip() for row in table[2:]] == [
+      'naive', 'pipeline', 'pipeline every_layer']
+  for r in (pipeline, every_layer):
+    assert naive['fits'] and r['fits'] and r['capped']
+    assert naive['peak_mb'] <= 16 and r['peak_mb'] <= 16
+    assert r['mb_per_layer'] < naive['mb_per_layer']
 
 
 def testPrintModel(runs):
@@ -135,8 +146,9 @@ def testPrintModelPrintsJsonOnlyWhenAsked(tmp_path):
   json_out = tmp_path / 'model.json'
   out, _ = _Finish(_Start('print_model', '--model=mlp', '--layers=2', '--width=16',
                           '--hidden=32', '--rows=8', '--stages=2', '--micro_batches=2',
-                          f'--json_out={json_out}'), timeout=120)
+                          '--remat_policy=every_layer', f'--json_out={json_out}'), timeout=120)
   assert '| stage |' in out and 'cell_tpl[1].cls :' in out  # The tables and the params.
+  assert "cell_remat_policy : 'every_layer'" in out and 'remat policy every_layer' in out
   assert not [line for line in out.splitlines() if line in ('[', '{')]
   (summary,) = json.loads(json_out.read_text())
   assert [s['layers'] for s in summary['stages']] == [['layer0'], ['layer1']], summary
@@ -147,7 +159,9 @@ def testPlanBalance(runs):
   plan = planner.LoadPlan(os.path.join(runs['plan_balance'][1], 'plan.json'))
   assert plan.ends == plan_json['ends'] and len(plan.ends) == 2 and plan.ends[-1] == 4
   assert [p.name for p in plan.layers] == [f'layer{i}' for i in range(4)]
-  assert '[4/4]' in err
+  assert plan.remat_policy in ('none', 'every_layer') and '[4/4]' in err
+  assert plan_json['remat_policy'] == plan.remat_policy
+  assert {row.split('|')[2].strip() for row in table[2:]} == {plan.remat_policy}
   # Tiny layers: a backward may drown in the timing noise. Such a layer is shown as not
   # measured, never as a time <= 0, and the stages holding it are marked as lower bounds.
   backward = dict(re.findall(r'\] (layer\d): forward [0-9.e-]+ ms, backward ([^,]+),', err))
@@ -157,8 +171,8 @@ def testPlanBalance(runs):
              if name not in unmeasured), backward
   for row in table[2:]:
     cells = [c.strip() for c in row.strip('|').split('|')]
-    marked = cells[4].endswith(' *')
-    assert marked == bool(unmeasured.intersection(cells[2].split(', '))), (row, unmeasured)
+    marked = cells[5].endswith(' *')
+    assert marked == bool(unmeasured.intersection(cells[3].split(', '))), (row, unmeasured)
 
 
 def testSimulateSchedule(runs):

@@ -11,7 +11,8 @@ BuildStep makes the training step of the configuration:
     (e.g. lm.synthetic.GPipeTransformerLmBig) whose task runs on a batch of its
     input, its stack cut into `stages` with `micro_batches`;
   stages: K, 0 for the plain (unpipelined) model; micro_batches: M;
-  remat, schedule: the PipeliningLayer's; path: 'fprop' (FProp under a
+  remat, schedule: the PipeliningLayer's; remat_policy (optional, default
+    'none'): its cell_remat_policy; path: 'fprop' (FProp under a
     GradientTape) or 'forward_backward' (ForwardBackward; 1F1B always).
 """
 
@@ -154,7 +155,8 @@ def _BuiltInStep(tf, config):
                                             tf.TensorShape(shape))
     model = gpipe.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=cells, num_micro_batches=config['micro_batches'],
-        remat=config['remat'], schedule=config['schedule'], virtual_stages=v).Instantiate()
+        remat=config['remat'], schedule=config['schedule'], virtual_stages=v,
+        cell_remat_policy=config.get('remat_policy', 'none')).Instantiate()
     use_tape = config['path'] == 'fprop' and config['schedule'] == 'gpipe'
 
   def Body():
@@ -177,7 +179,8 @@ def _RegisteredStep(tf, config):
   v = 1 if plain else VIRTUAL_STAGES.get(config['schedule'], 1)
   stack.Set(splits=max(1, config['stages']) * v, num_micro_batches=1 if plain else
             config['micro_batches'], remat='never' if plain else config['remat'],
-            schedule='gpipe' if plain else config['schedule'], virtual_stages=v)
+            schedule='gpipe' if plain else config['schedule'], virtual_stages=v,
+            cell_remat_policy='none' if plain else config.get('remat_policy', 'none'))
   task = params.task.Instantiate()
   batch = next(iter(params.input.Instantiate().GetDataset()))
 

@@ -2,7 +2,10 @@ r"""GPipe Table 1 on this machine: the largest Transformer that trains one step 
 
 Two ways to train on one device, as the paper's Naive-1 and Pipeline-1:
   naive     the plain layer stack on the whole batch, no re-materialization;
-  pipeline  one pipeline stage (K=1) with M micro-batches and re-materialization.
+  pipeline  one pipeline stage (K=1) with M micro-batches and re-materialization,
+            once per --remat_policies (cell_remat_policy, core/remat.py: 'none'
+            re-materializes the cell as a whole, 'every_layer' also keeps only
+            each layer's output while the cell's backward runs).
 A step is forward, backward and an SGD update of every weight. Its memory is the
 allocator's peak during the step, weights included, and it fits when that is
 at most --budget_mb. For each width, the peak is measured at two depths, the
@@ -34,12 +37,18 @@ flags.DEFINE_list('widths', ['256'], 'Model widths d (hidden 4d, d/64 heads) to 
 flags.DEFINE_integer('rows', 64, 'Batch sequences N.')
 flags.DEFINE_integer('seq_len', 64, 'Sequence length.')
 flags.DEFINE_integer('micro_batches', 32, 'M of the pipeline.')
+flags.DEFINE_list('remat_policies', ['none'], 'cell_remat_policy values of the pipeline runs.')
 flags.DEFINE_list('probe_layers', ['2', '4'], 'The two depths the line is fitted through.')
 flags.DEFINE_integer('max_layers', 1000, 'Deepest model tried (caps a quick run).')
 flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
 
-MODES = ('naive', 'pipeline')
+
+
+def _Name(config):
+  """'naive', 'pipeline', or 'pipeline every_layer' for a pipeline with a remat policy."""
+  policy = config['remat_policy']
+  return config['mode'] if policy == 'none' else f"{config['mode']} {policy}"
 
 
 def _RunOne(config):
@@ -54,7 +63,8 @@ def _RunOne(config):
   else:
     model = gpipe.PipeliningLayer.Params().Set(
         name='pipeline', cell_tpl=gpipe.CellsFromEnds(layer_params, [len(layer_params)]),
-        num_micro_batches=config['micro_batches'], remat='always').Instantiate()
+        num_micro_batches=config['micro_batches'], remat='always',
+        cell_remat_policy=config['remat_policy']).Instantiate()
   x = tf.random.stateless_normal(shape, [1, 2])
   weights = model.trainable_variables
 
@@ -93,12 +103,12 @@ class _Search:
   def Run(self, **config):
     self.count += 1
     result = bench_utils.RunIsolated(__file__, config)
-    bench_utils.Progress(self.count, '?', f"{config['mode']} d={config['width']} "
+    bench_utils.Progress(self.count, '?', f"{_Name(config)} d={config['width']} "
                          f"L={config['layers']}: peak {result['peak_mb']:.0f} MB, "
                          f"{result['params'] / 1e6:.1f}M parameters, {result['step_s']:.1f} s")
     return result
 
-  def Largest(self, mode, width):
+  def Largest(self, mode, width, remat_policy):
     """(the deepest run that fits, the fitted MiB per layer).
 
     The line through the probes predicts the depth. Then, until the deepest
@@ -108,7 +118,7 @@ class _Search:
     depth, so that is one or two more runs, each a whole training step.
     """
     base = dict(mode=mode, width=width, rows=FLAGS.rows, seq_len=FLAGS.seq_len,
-                micro_batches=FLAGS.micro_batches)
+                micro_batches=FLAGS.micro_batches, remat_policy=remat_policy)
     runs = {}
 
     def Peak(depth):
@@ -124,9 +134,9 @@ class _Search:
     l0, l1 = map(int, FLAGS.probe_layers)
     per_layer = (Peak(l1) - Peak(l0)) / (l1 - l0)
     if per_layer <= 0:
-      raise SystemExit(f'capacity_benchmark: error: {mode} d={width}: the peak did not grow from '
-                       f'{l0} to {l1} layers ({Peak(l0):.2f} -> {Peak(l1):.2f} MB); the model is '
-                       'too small for the allocator statistics: raise --rows or --widths.')
+      raise SystemExit(f'capacity_benchmark: error: {_Name(base)} d={width}: the peak did not '
+                       f'grow from {l0} to {l1} layers ({Peak(l0):.2f} -> {Peak(l1):.2f} MB); the '
+                       'model is too small for the allocator statistics: raise --rows or --widths.')
     depth = Crossing(l0, l1)
     while True:
       depth = min(max(1, depth), FLAGS.max_layers)
@@ -152,17 +162,19 @@ def main(argv):
     return
   load_before = bench_utils.Load()
   search = _Search()
+  runs = [('naive', 'none')] + [('pipeline', policy) for policy in FLAGS.remat_policies]
   results = []
   for width in map(int, FLAGS.widths):
-    for mode in MODES:
-      result, per_layer = search.Largest(mode, width)
+    for mode, policy in runs:
+      result, per_layer = search.Largest(mode, width, policy)
       results.append(dict(result, mb_per_layer=per_layer,
                           fits=result['peak_mb'] <= FLAGS.budget_mb,
                           capped=result['layers'] >= FLAGS.max_layers))
-  best = {mode: max((r for r in results if r['mode'] == mode and r['fits']),
-                    key=lambda r: r['params'], default=None) for mode in MODES}
+  best = {name: max((r for r in results if _Name(r) == name and r['fits']),
+                    key=lambda r: r['params'], default=None)
+          for name in (_Name(dict(mode=m, remat_policy=p)) for m, p in runs)}
   table = bench_utils.MarkdownTable(results, [
-      ('mode', lambda r: r['mode']), ('width', lambda r: r['width']),
+      ('mode', _Name), ('width', lambda r: r['width']),
       ('layers', lambda r: r['layers']),
       ('parameters', lambda r: f"{r['params'] / 1e6:.1f}M"),
       ('peak MB', lambda r: f"{r['peak_mb']:.0f}"),
@@ -174,11 +186,13 @@ def main(argv):
   notes = [f'Budget {FLAGS.budget_mb:.0f} MiB; batch {FLAGS.rows} x {FLAGS.seq_len} tokens; '
            f'pipeline: K=1, M={FLAGS.micro_batches}, re-materialization; load average '
            f'(1, 5, 15 min) before {load_before}, after {bench_utils.Load()}']
-  if best['naive'] and best['pipeline']:
-    ratio = best['pipeline']['params'] / best['naive']['params']
-    notes.append(f"Largest that fits: naive {best['naive']['params'] / 1e6:.1f}M, pipeline "
-                 f"{best['pipeline']['params'] / 1e6:.1f}M parameters: {ratio:.1f}x (GPipe's "
-                 'Table 1: 82M -> 318M, 3.9x).')
+  naive = best.pop('naive')
+  for name, pipeline in best.items():
+    if naive and pipeline:
+      notes.append(f"Largest that fits: naive {naive['params'] / 1e6:.1f}M, {name} "
+                   f"{pipeline['params'] / 1e6:.1f}M parameters: "
+                   f"{pipeline['params'] / naive['params']:.1f}x (GPipe's Table 1: 82M -> 318M, "
+                   '3.9x).')
   bench_utils.Emit(table, dict(budget_mb=FLAGS.budget_mb, results=results), FLAGS.json_out,
                    notes)
 

@@ -12,8 +12,14 @@ step) along an M sweep at fixed K and a K sweep at fixed M, fits that form by
 least squares and prints each point against the fit, with the plain model for
 scale.
 
+With --remat_every, it also sweeps N of cell_remat_policy='every_N' (a
+checkpoint every N layers inside each cell; core/remat.py) at the K values of
+--remat_stages and M=--fixed_micro_batches: the peak and the step time against
+the same K and M without a policy. Those points are not in the fit.
+
   python tools/memory_curves.py                 # a few minutes
   python tools/memory_curves.py --layers=16 --width=256 --hidden=1024 --rows=8192
+  python tools/memory_curves.py --layers=16 --remat_every=1,2,4,8
 
 With --schedules it compares schedules instead, at K=--fixed_stages over
 --micro_batches: each run's peak next to what its schedule holds (summed over
@@ -53,7 +59,11 @@ flags.DEFINE_list('schedules', None, 'Compare these schedules over --micro_batch
 flags.DEFINE_integer('micro_batch_rows', None, 'With --schedules: rows per micro-batch (the '
                      'batch is M times this) instead of --rows.')
 flags.DEFINE_enum('remat', 'always', ['always', 'except_last', 'never'], 'Re-materialization.')
-flags.DEFINE_integer('steps', 2, 'Steps measured per point (the largest peak is kept).')
+flags.DEFINE_list('remat_every', [], "N values of a sweep of cell_remat_policy='every_N'; "
+                  'empty: no such sweep.')
+flags.DEFINE_list('remat_stages', ['1', '2'], 'K values of the every_N sweep.')
+flags.DEFINE_integer('steps', 2, 'Steps measured per point (the largest peak and the median '
+                     'time are kept).')
 flags.DEFINE_integer('inter_op_threads', 1, 'Ops run at once; 1 makes the fit\'s premise hold.')
 flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
@@ -64,20 +74,41 @@ def _RunOne(config):
   from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
   step = bench_utils.BuildStep(tf, config)
   step.run()  # Trace and warm up.
-  peak = max(memory_stats.PeakBytes(step.run)[1] for _ in range(config['steps']))
-  return dict(config, peak_mb=peak / 2**20, params=step.params)
+  peaks, seconds = [], []
+  for _ in range(config['steps']):
+    peaks.append(memory_stats.PeakBytes(step.run)[1])
+    seconds.append(bench_utils.Seconds(step.run))
+  return dict(config, peak_mb=max(peaks) / 2**20, step_s=float(np.median(seconds)),
+              params=step.params)
 
 
 def _Points():
   base = dict(bench_utils.FlagsConfig(FLAGS), schedule=FLAGS.schedule, remat=FLAGS.remat,
               path='forward_backward', steps=FLAGS.steps,
-              inter_op_threads=FLAGS.inter_op_threads)
+              inter_op_threads=FLAGS.inter_op_threads, remat_policy='none')
   sizes = [(FLAGS.fixed_stages, int(m)) for m in FLAGS.micro_batches]
   sizes += [(int(k), FLAGS.fixed_micro_batches) for k in FLAGS.stages
             if (int(k), FLAGS.fixed_micro_batches) not in sizes]
-  return [dict(base, stages=0, micro_batches=1, sweep='plain')] + [
+  points = [dict(base, stages=0, micro_batches=1, sweep='plain')] + [
       dict(base, stages=k, micro_batches=m,
            sweep='M' if k == FLAGS.fixed_stages else 'K') for k, m in sizes]
+  for k in map(int, FLAGS.remat_stages if FLAGS.remat_every else []):
+    if (k, FLAGS.fixed_micro_batches) not in sizes:
+      points.append(dict(base, stages=k, micro_batches=FLAGS.fixed_micro_batches, sweep='N'))
+    points += [dict(base, stages=k, micro_batches=FLAGS.fixed_micro_batches, sweep='N',
+                    remat_policy=f'every_{n}') for n in FLAGS.remat_every]
+  return points
+
+
+def _AgainstNone(results):
+  """Sets each policy point's peak and time over the same K and M without a policy."""
+  none = {(r['stages'], r['micro_batches']): r for r in results
+          if r['remat_policy'] == 'none'}
+  for r in results:
+    if r['remat_policy'] != 'none':
+      ref = none[(r['stages'], r['micro_batches'])]
+      r['peak_x_none'] = r['peak_mb'] / ref['peak_mb']
+      r['time_x_none'] = r['step_s'] / ref['step_s']
 
 
 def Fit(results):
@@ -141,20 +172,27 @@ def main(argv):
   results = []
   for i, config in enumerate(points, 1):
     results.append(bench_utils.RunIsolated(__file__, config))
-    bench_utils.Progress(i, len(points), f"K={config['stages']} M={config['micro_batches']}: "
-                         f"peak {results[-1]['peak_mb']:.1f} MB")
-  plain, pipelined = results[0], results[1:]
+    bench_utils.Progress(i, len(points), f"K={config['stages']} M={config['micro_batches']} "
+                         f"{config['remat_policy']}: peak {results[-1]['peak_mb']:.1f} MB, "
+                         f"{results[-1]['step_s']:.3g} s")
+  plain = results[0]
+  pipelined = [r for r in results[1:] if r['sweep'] != 'N']
   (alpha, beta, gamma), fitted = Fit(pipelined)
   for r, f in zip(pipelined, fitted):
     r['fit_mb'] = float(f)
   residual = max(abs(r['peak_mb'] - r['fit_mb']) / r['peak_mb'] for r in pipelined)
+  _AgainstNone(results[1:])
   table = bench_utils.MarkdownTable(results, [
       ('sweep', lambda r: r['sweep']), ('K', lambda r: r['stages'] or 'plain'),
-      ('M', lambda r: r['micro_batches']), ('peak MB', lambda r: f"{r['peak_mb']:.1f}"),
+      ('M', lambda r: r['micro_batches']), ('policy', lambda r: r['remat_policy']),
+      ('peak MB', lambda r: f"{r['peak_mb']:.1f}"),
       ('x plain', lambda r: f"{r['peak_mb'] / plain['peak_mb']:.3f}"),
       ('fit MB', lambda r: f"{r['fit_mb']:.1f}" if 'fit_mb' in r else '-'),
       ('fit error', lambda r: (f"{(r['fit_mb'] - r['peak_mb']) / r['peak_mb']:+.1%}"
-                               if 'fit_mb' in r else '-'))])
+                               if 'fit_mb' in r else '-')),
+      ('step s', lambda r: f"{r['step_s']:.3g}"),
+      ('peak, time x none', lambda r: (f"{r['peak_x_none']:.2f}, {r['time_x_none']:.2f}"
+                                       if 'peak_x_none' in r else '-'))])
   notes = [f"{FLAGS.model}: L={FLAGS.layers}, N={FLAGS.rows}, {FLAGS.schedule}, remat "
            f"{FLAGS.remat}; load average (1, 5, 15 min) before {load_before}, after "
            f'{bench_utils.Load()}',

@@ -4,13 +4,19 @@ Profiles each layer once at the micro-batch size (forward and backward time,
 parameter, input and activation bytes; lingvo_gpipe.core.planner), finds the
 contiguous split into K stages minimising the slowest stage among those whose
 every device fits --memory_cap_mb, saves it as a JSON plan and compares it,
-through the simulator, with the model's own split (FLOP-balanced).
+through the simulator, with the model's own split (FLOP-balanced). Given several
+--remat_policy values (cell_remat_policy, core/remat.py), it plans with each and
+keeps the fastest plan that fits: under a tight cap, checkpoints inside deeper
+stages can beat a coarser policy that only fits with more micro-batches or
+stages.
 
   python tools/plan_balance.py --model=lm.synthetic.GPipeTransformerLmBig \
       --out=/tmp/big.plan.json
   python -m lingvo_gpipe.trainer --model=lm.synthetic.GPipeTransformerLmBig \
       --balance_file=/tmp/big.plan.json --logdir=/tmp/big
   python tools/plan_balance.py --model=mlp --stages=2 --memory_cap_mb=64
+  python tools/plan_balance.py --model=mlp --stages=1 --rows=4096 --micro_batches=2 \
+      --memory_cap_mb=200 --remat_policy=none,every_layer,every_2
   python tools/plan_balance.py --model=lm.synthetic.GPipeTransformerLmTiny --choose \
       --memory_cap_mb=64          # also picks M, the schedule and remat
 
@@ -38,9 +44,13 @@ flags.DEFINE_string('model_params_override', '',
                     'trainer applies it.')
 flags.DEFINE_integer('stages', None, 'K; default the model\'s.')
 flags.DEFINE_integer('micro_batches', None, 'M; default the model\'s.')
-flags.DEFINE_enum('schedule', None, list(schedule_lib.SCHEDULE_NAMES), 'Schedule; default the model\'s.')
+flags.DEFINE_enum('schedule', None, list(schedule_lib.SCHEDULE_NAMES),
+                  'Schedule; default the model\'s.')
 flags.DEFINE_enum('remat', None, ['always', 'except_last', 'never'],
                   'Re-materialization; default the model\'s.')
+flags.DEFINE_list('remat_policy', None,
+                  "cell_remat_policy values to choose from (the fastest plan that fits), e.g. "
+                  "none,every_layer,every_2; default the model's.")
 flags.DEFINE_float('memory_cap_mb', None, 'Per-device memory cap in MiB; default none.')
 flags.DEFINE_boolean('choose', False, 'Also choose M, the schedule and remat (see above).')
 flags.DEFINE_integer('top', 8, 'With --choose: candidates printed.')
@@ -66,7 +76,8 @@ def _Measured(profile):
 
 
 def _Profile(tf):
-  """(profiles, glued layers, the model's own ends, K, M, schedule, remat, batch rows)."""
+  """(profiles, glued layers, the model's own ends, K, M, schedule, remat, remat policy,
+  batch rows)."""
   from lingvo_gpipe import base_runner  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import pipeline_params  # pylint: disable=g-import-not-at-top
@@ -88,7 +99,7 @@ def _Profile(tf):
     profiles = profiler.ProfileLayers(layer_params, tf.TensorSpec(shape), shape[0] // m,
                                       FLAGS.repeats, progress=Progress)
     return (profiles, [], own, k, m, FLAGS.schedule or 'gpipe', FLAGS.remat or 'always',
-            shape[0])
+            'none', shape[0])
   try:
     params = base_runner.LoadModelParams(FLAGS.model, 'Train', FLAGS.model_params_override)
   except base_runner.UserError as e:
@@ -103,7 +114,7 @@ def _Profile(tf):
   profiles, glued = planner.PipelineProfiles(pipe, params.input.batch_size // m, FLAGS.repeats,
                                              progress=Progress)
   return (profiles, glued, own, k, m, FLAGS.schedule or pipe.schedule,
-          FLAGS.remat or pipe.remat, params.input.batch_size)
+          FLAGS.remat or pipe.remat, pipe.cell_remat_policy, params.input.batch_size)
 
 
 def main(argv):
@@ -111,48 +122,46 @@ def main(argv):
   tf = bench_utils.SetUpDevices(1)
   from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
   load_before = bench_utils.Load()
-  profiles, glued, own_ends, k, m, schedule, remat, rows = _Profile(tf)
+  profiles, glued, own_ends, k, m, schedule, remat, own_policy, rows = _Profile(tf)
   if m is None:
     sys.exit(f'plan_balance: error: the batch does not split into the model\'s micro-batches.')
   cap = None if FLAGS.memory_cap_mb is None else FLAGS.memory_cap_mb * 2**20
-  candidates = []
   try:
-    if FLAGS.choose:
-      plan, candidates = planner.ChoosePlan(
-          profiles, k, rows, rows // m, memory_cap_bytes=cap,
-          optimizer_slots=FLAGS.optimizer_slots, glued=glued, source=FLAGS.model,
-          action_overhead_s=FLAGS.action_overhead_ms / 1e3)
-      m, schedule, remat = plan.num_micro_batches, plan.schedule, plan.remat
-    else:
-      plan = planner.MakePlan(profiles, k, m, schedule=schedule, remat=remat,
-                              memory_cap_bytes=cap, optimizer_slots=FLAGS.optimizer_slots,
-                              glued=glued, source=FLAGS.model,
-                              action_overhead_s=FLAGS.action_overhead_ms / 1e3)
+    choices = dict(remat_policies=FLAGS.remat_policy or [own_policy], memory_cap_bytes=cap,
+                   optimizer_slots=FLAGS.optimizer_slots, glued=glued, source=FLAGS.model,
+                   action_overhead_s=FLAGS.action_overhead_ms / 1e3)
+    if not FLAGS.choose:  # Only the remat policy is chosen, for the model's M, schedule, remat.
+      choices.update(micro_batches=[m], schedules=[schedule], remats=[remat])
+    plan, candidates = planner.ChoosePlan(profiles, k, rows, rows // m, **choices)
+    m, schedule, remat = plan.num_micro_batches, plan.schedule, plan.remat
   except ValueError as e:
     sys.exit(f'plan_balance: error: {e}')
   plan.Save(FLAGS.out)
-  # The model's own split is compared when it has the plan's K stages.
-  own = [("the model's split", dataclasses.replace(plan, ends=list(own_ends)))] if (
+  # The model's own split (and remat policy) is compared when it has the plan's K stages.
+  own = [("the model's split", dataclasses.replace(plan, ends=list(own_ends),
+                                                   remat_policy=own_policy))] if (
       len(own_ends) == k) else []
   unmeasured = {p.name for p in profiles if not _Measured(p)}
   rows = []
   for name, p in own + [('planned', plan)]:
     prediction = p.Predict()
     for k_, stage in enumerate(p.Stages()):
-      rows.append(dict(split=name, stage=k_, layers=', '.join(stage['layers']),
+      rows.append(dict(split=name, policy=p.remat_policy, stage=k_, layers=', '.join(stage['layers']),
                        forward_ms=stage['forward_s'] * 1e3, backward_ms=stage['backward_s'] * 1e3,
                        unmeasured=bool(unmeasured.intersection(stage['layers'])),
                        memory_mb=stage['memory_bytes'] / 2**20,
                        step_ms=prediction.step_time * 1e3, bubble=prediction.bubble_fraction))
   table = bench_utils.MarkdownTable(rows, [
-      ('split', lambda r: r['split']), ('stage', lambda r: r['stage']),
+      ('split', lambda r: r['split']), ('remat policy', lambda r: r['policy']),
+      ('stage', lambda r: r['stage']),
       ('layers', lambda r: r['layers']), ('forward ms', lambda r: f"{r['forward_ms']:.3g}"),
       ('backward ms (with recompute)',
        lambda r: f"{r['backward_ms']:.3g}{' *' if r['unmeasured'] else ''}"),
       ('memory MB', lambda r: f"{r['memory_mb']:.1f}"),
       ('predicted step ms', lambda r: f"{r['step_ms']:.3g}"),
       ('predicted bubble', lambda r: f"{r['bubble']:.3f}")])
-  notes = [f'{FLAGS.model}: K={k}, M={m}, {schedule}, remat {remat}, cap '
+  notes = [f'{FLAGS.model}: K={k}, M={m}, {schedule}, remat {remat}, remat policy '
+           f'{plan.remat_policy} (of {FLAGS.remat_policy or [own_policy]}), cap '
            f"{'none' if cap is None else f'{FLAGS.memory_cap_mb:g} MiB'}; plan ends "
            f'{plan.ends} (the model\'s: {list(own_ends)}); saved to {FLAGS.out}; load average '
            f'(1, 5, 15 min) before {load_before}, after {bench_utils.Load()}']
@@ -160,7 +169,7 @@ def main(argv):
     notes.append(f"* at least this: the backward of {', '.join(sorted(unmeasured))} was not "
                  'measured (forward and backward together ran no longer than the forward '
                  'alone) and counts as 0 ms.')
-  if candidates:
+  if len(candidates) > 1:
     print(_CandidateTable(candidates[:FLAGS.top], cap))
   bench_utils.Emit(table, plan.ToJson(), None, notes)
 
@@ -178,7 +187,7 @@ def _CandidateTable(candidates, cap):
 
   return bench_utils.MarkdownTable(candidates, [
       ('M', lambda c: c['num_micro_batches']), ('schedule', lambda c: c['schedule']),
-      ('remat', lambda c: c['remat']),
+      ('remat', lambda c: c['remat']), ('remat policy', lambda c: c['remat_policy']),
       ('predicted step ms', lambda c: f"{c['step_time_s'] * 1e3:.3g}"),
       ('bubble', lambda c: f"{c['bubble']:.3f}" if 'bubble' in c else '-'),
       ('fullest device MB', lambda c: (f"{c['memory_bytes'] / 2**20:.1f}" if 'memory_bytes' in c

@@ -5,11 +5,13 @@ forward FLOPs of a step from FPropMeta, output bytes per micro-batch) and the
 stages they form, with each stage's parameters, FLOPs and estimated memory per
 device: weights, gradients and optimizer slots, plus the activations kept by the
 schedule, estimated from the layers' output sizes (the balance planner's memory
-model, with outputs standing in for the activations it measures). The bubble
+model, with outputs standing in for the activations it measures, and the
+pipeline's cell_remat_policy: segment inputs kept instead). The bubble
 is the simulator's with stage costs proportional to FLOPs.
 
   python tools/print_model.py --model=lm.synthetic.GPipeTransformerLmBig
   python tools/print_model.py --model=mlp --stages=4 --noshow_params
+  python tools/print_model.py --model=mlp --stages=1 --remat_policy=every_2
   python tools/print_model.py --model=lm.synthetic.GPipeTransformerLmBig \
       --balance_file=/tmp/plan.json
 """
@@ -35,6 +37,7 @@ flags.DEFINE_integer('width', 256, 'Built-in stacks: width.')
 flags.DEFINE_integer('hidden', 1024, 'Built-in stacks: feed-forward hidden width.')
 flags.DEFINE_integer('rows', 64, 'Built-in stacks: batch rows (sequences for the Transformer).')
 flags.DEFINE_integer('seq_len', 64, 'Built-in Transformer: sequence length.')
+flags.DEFINE_string('remat_policy', 'none', 'Built-in stacks: cell_remat_policy (core/remat.py).')
 flags.DEFINE_boolean('json', False, 'Also print the layers and stages as JSON, after the tables.')
 flags.DEFINE_string('json_out', None, 'Also write that JSON to this file.')
 
@@ -45,7 +48,8 @@ def _BuiltIn(tf):
   layer_params, shape = bench_utils.LayerParams(bench_utils.FlagsConfig(FLAGS))
   cells = gpipe.PartitionSequentialLayers(layer_params, FLAGS.stages, tf.TensorShape(shape))
   pipe = gpipe.PipeliningLayer.Params().Set(name=FLAGS.model, cell_tpl=cells,
-                                            num_micro_batches=FLAGS.micro_batches)
+                                            num_micro_batches=FLAGS.micro_batches,
+                                            cell_remat_policy=FLAGS.remat_policy)
   return pipe, tf.TensorSpec(shape)
 
 
@@ -101,7 +105,7 @@ def Inspect(tf, pipe, spec, batch_size, source):
     shapes = out
   plan = planner.Plan(source=source, layers=profiles, ends=list(ends),
                       num_micro_batches=num_micro, schedule=pipe.schedule, remat=pipe.remat,
-                      optimizer_slots=FLAGS.optimizer_slots)
+                      optimizer_slots=FLAGS.optimizer_slots, remat_policy=pipe.cell_remat_policy)
   return rows, plan
 
 
@@ -118,7 +122,7 @@ def _StageRows(plan, layer_rows):
 
 def _Print(name, plan, layer_rows, stage_rows):
   print(f'\n## {name}: K={plan.num_stages}, M={plan.num_micro_batches}, {plan.schedule}, remat '
-        f'{plan.remat}\n')
+        f'{plan.remat}, remat policy {plan.remat_policy}\n')
   print(bench_utils.MarkdownTable(layer_rows, [
       ('layer', lambda r: r['name']), ('class', lambda r: r['cls']),
       ('parameters', lambda r: f"{r['params']:,}"),
@@ -152,8 +156,11 @@ def main(argv):
     if spec is None:
       print(f'\n## {pipe.name}: no per-layer view (its params do not say what its input is).')
       continue
-    layer_rows, plan = Inspect(tf, pipe, spec, batch_size, FLAGS.model)
-    stage_rows = _StageRows(plan, layer_rows)
+    try:
+      layer_rows, plan = Inspect(tf, pipe, spec, batch_size, FLAGS.model)
+      stage_rows = _StageRows(plan, layer_rows)
+    except ValueError as e:
+      sys.exit(f'print_model: error: {pipe.name}: {e}')
     _Print(pipe.name, plan, layer_rows, stage_rows)
     summary.append(dict(pipeline=pipe.name, layers=layer_rows, stages=stage_rows))
   if FLAGS.json:

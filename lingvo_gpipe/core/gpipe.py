@@ -39,6 +39,7 @@ from lingvo_gpipe.core import microbatch
 from lingvo_gpipe.core import partition
 from lingvo_gpipe.core import profiler
 from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import remat as remat_lib
 from lingvo_gpipe.core import schedule as schedule_lib
 
 REMAT_MODES = ('always', 'except_last', 'never')
@@ -76,11 +77,7 @@ class FeatureExtractionLayer(layers.SequentialLayer):
 
   def FPropWithActivations(self, theta, *args):
     """(outputs, NestedMap of the act_fetch_layers' outputs)."""
-    acts = py_utils.NestedMap()
-    for layer, out in self.IterFProp(theta, *args):
-      if layer.params.name in self.params.act_fetch_layers:
-        acts[layer.params.name] = out
-    return out, acts
+    return self.FPropAndOutputs(theta, args, self.params.act_fetch_layers)
 
 
 class PipeliningLayer(base_layer.BaseLayer):
@@ -111,6 +108,10 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('remat', 'always',
              "Re-materialization: 'always', 'except_last' (the last micro-batch keeps its "
              "activations) or 'never'.")
+    p.Define('cell_remat_policy', remat_lib.NONE,
+             "Re-materialization inside each cell (core/remat.py), set as each cell's "
+             "remat_policy: 'none', 'every_layer', 'every_N' (e.g. 'every_2'), or layer names "
+             "joined by '+' whose outputs are kept (a cell holding none is one segment).")
     p.Define('schedule', 'gpipe',
              f'One of {list(schedule_lib.SCHEDULE_NAMES)}: fill-drain (also under a tape), '
              '1F1B, interleaved 1F1B, zero-bubble H1/H2 and V (ForwardBackward).')
@@ -152,7 +153,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     self._devices = devices_lib.StageDevices(self.num_stages, p.devices, p.allow_device_reuse,
                                              p.num_replicas)
     self.CreateChildren('before', p.before_tpl, devices=[self._devices[0]] * len(p.before_tpl))
-    self.CreateChildren('cell', p.cell_tpl, devices=self.ReplicaDevices(0))
+    self.CreateChildren('cell', remat_lib.PolicyCells(p.cell_tpl, p.cell_remat_policy, self.path),
+                        devices=self.ReplicaDevices(0))
     self._cell_functions = [[executor.CellFunctions(self, c, device) for c, device in
                              enumerate(self.ReplicaDevices(r))] for r in range(p.num_replicas)]
     self._clocks = executor.DeviceClocks(self._devices[:self.num_stages])

@@ -15,12 +15,14 @@ moving averages are never rounded through a low-precision dtype.
 is an estimate) and output shapes, which the partitioner balances stages with.
 """
 
+import functools
 import math
 
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import remat
 
 _ACTIVATIONS = {
     'NONE': tf.identity,
@@ -743,12 +745,21 @@ class TransformerLayer(base_layer.BaseLayer):
 
 
 class SequentialLayer(base_layer.BaseLayer):
-  """Runs sub-layers in order; a tuple output is passed on as the next one's *args."""
+  """Runs sub-layers in order; a tuple output is passed on as the next one's *args.
+
+  remat_policy re-materializes inside the stack (core/remat.py): e.g.
+  'every_2' keeps every second layer's output for the backward and recomputes
+  the rest, segment by segment, with tf.recompute_grad.
+  """
 
   @classmethod
   def Params(cls):
     p = super().Params()
     p.Define('sub', [], 'Params of the sub-layers, in the order they run.')
+    p.Define('remat_policy', remat.NONE,
+             "Which sub-layer outputs the forward keeps for the backward (core/remat.py): "
+             "'none' (all activations), 'every_layer', 'every_N' (e.g. 'every_2') or layer "
+             "names joined by '+'; the rest is recomputed in the backward.")
     return p
 
   def __init__(self, params):
@@ -756,19 +767,29 @@ class SequentialLayer(base_layer.BaseLayer):
     if not self.params.sub:
       raise ValueError(f'{self.path}: SequentialLayer needs at least one sub-layer.')
     self.CreateChildren('sub', self.params.sub)
+    self._segments = remat.StageSegments(
+        self.params.remat_policy, [layer.params.name for layer in self.sub], where=self.path)
 
-  def IterFProp(self, theta, *args):
-    """Yields (sub-layer, its output) as the sub-layers run."""
-    for layer, layer_theta in zip(self.sub, theta.sub):
+  def _RunLayers(self, start, end, theta_list, args, names):
+    """(output, NestedMap of the outputs of `names`) of sub-layers start..end-1."""
+    fetched = py_utils.NestedMap()
+    for layer, layer_theta in zip(self.sub[start:end], theta_list):
       out = layer.FProp(layer_theta, *args)
-      yield layer, out
+      if layer.params.name in names:
+        fetched[layer.params.name] = out
       args = out if isinstance(out, tuple) else (out,)
+    return out, fetched
+
+  def FPropAndOutputs(self, theta, args, names=()):
+    """(the last sub-layer's output, NestedMap of the outputs of the sub-layers `names`)."""
+    run = functools.partial(self._RunLayers, names=names)
+    if not self._segments:
+      return run(0, len(self.sub), theta.sub, args)
+    return remat.RunSegments(run, theta.sub, args, self._segments, self.TrainingStep)
 
   def FProp(self, theta, *args):
     """The last sub-layer's output."""
-    for _, out in self.IterFProp(theta, *args):
-      pass
-    return out
+    return self.FPropAndOutputs(theta, args)[0]
 
   @classmethod
   def FPropMeta(cls, params, *input_shapes):

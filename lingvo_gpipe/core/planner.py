@@ -14,18 +14,23 @@
    to K for 1F1B) times the stage input with re-materialization, or times the
    stage's activations without, plus one micro-batch's activations for the
    step running; a zero-bubble schedule's pending weight gradients (B ran, W
-   not yet) each hold up to a micro-batch's activations too. The plan is the
-   contiguous split minimising the slowest stage among those whose every stage
-   fits the cap (then the most even one, as partition.Balance does), and the
-   simulator predicts its step (a split B takes half the backward and the
-   recompute, W the whole backward again: see executor.py).
-   ChoosePlan also picks M, the schedule and remat: the candidate with the
-   best predicted step time that fits, next to the others and why they lost.
+   not yet) each hold up to a micro-batch's activations too. A remat policy
+   inside the cells (core/remat.py) keeps a stage's segment inputs instead of
+   its activations, plus one segment's activations while the backward runs,
+   and recomputes each segment's forward once more. The plan is the contiguous
+   split minimising the slowest stage among those whose every stage fits the
+   cap (then the most even one, as partition.Balance does), and the simulator
+   predicts its step (a split B takes half the backward and the recompute, W
+   the whole backward again: see executor.py).
+   ChoosePlan also picks M, the schedule, remat and the remat policy: the
+   candidate with the best predicted step time that fits, next to the others
+   and why they lost.
 3. Save and load the plan as JSON; ApplyPlan cuts the pipelines of a params
    tree by it (the trainer's --balance_file), through core/pipeline_params.
 """
 
 import dataclasses
+import itertools
 import json
 
 import numpy as np
@@ -35,12 +40,22 @@ from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import partition
 from lingvo_gpipe.core import pipeline_params
 from lingvo_gpipe.core import profiler
+from lingvo_gpipe.core import remat as remat_lib
 from lingvo_gpipe.core import simulator
 
 PLAN_FORMAT = 'lingvo_gpipe.balance_plan.v1'
 
 
 # -- planning (no TensorFlow) --------------------------------------------------------------
+
+
+class NoFitError(ValueError):
+  """No split into the stages asked for fits the memory cap; `need` is the leanest split's
+  bytes on its fullest device."""
+
+  def __init__(self, message, need):
+    super().__init__(message)
+    self.need = need
 
 
 # Schedules a plan can take: one chunk per device, as the plan's stages are.
@@ -61,9 +76,13 @@ def _Prefix(values):
 class _StageModel:
   """Time and memory of a stage holding layers j..i-1, vectorized over j."""
 
-  def __init__(self, profiles, held, remat, optimizer_slots, action_overhead_s=0.0):
+  def __init__(self, profiles, held, remat, optimizer_slots, remat_policy=remat_lib.NONE,
+               action_overhead_s=0.0):
     if remat not in gpipe.REMAT_MODES:
       raise ValueError(f'Unknown remat {remat!r}; expected one of {list(gpipe.REMAT_MODES)}.')
+    self._names = [p.name for p in profiles]
+    remat_lib.StageSegments(remat_policy, self._names)  # Checks the policy.
+    self._policy = remat_policy
     self._forward = _Prefix([p.forward_s for p in profiles])
     self._backward = _Prefix([p.backward_s for p in profiles])
     self._params = _Prefix([p.param_bytes for p in profiles])
@@ -78,12 +97,14 @@ class _StageModel:
     return self._forward[i] - self._forward[j] + self._overhead
 
   def Backward(self, j, i):
-    """Backward seconds, with the recomputed forward when the stage re-materializes."""
-    backward = self._backward[i] - self._backward[j] + self._overhead
-    return backward + (self.Forward(j, i) - self._overhead if self._remat != 'never' else 0.0)
+    """Backward seconds, with the recomputed forward when the stage re-materializes, and
+    another for the segments of a remat policy."""
+    recomputes = (self._remat != 'never') + (self._policy != remat_lib.NONE)
+    forward = self._forward[i] - self._forward[j]
+    return self._backward[i] - self._backward[j] + recomputes * forward + self._overhead
 
   def InputGrad(self, j, i):
-    """A split B: the recompute (with remat) and half the backward."""
+    """A split B: the recomputes and half the backward."""
     return self.Backward(j, i) - (self._backward[i] - self._backward[j]) / 2
 
   def WeightGrad(self, j, i):
@@ -94,17 +115,31 @@ class _StageModel:
   def Time(self, j, i):
     return self.Forward(j, i) + self.Backward(j, i)
 
+  def _Kept(self, j, i):
+    """(bytes a micro-batch's forward keeps for its backward, bytes its backward adds while
+    it runs) of stages j..i-1: all activations and 0, or with a remat policy, the segment
+    inputs and the largest segment's activations."""
+
+    def One(start):
+      segments = remat_lib.StageSegments(self._policy, self._names, start, i)
+      if not segments:
+        return self._acts[i] - self._acts[start], 0.0
+      return (sum(self._inputs[a] for a, _ in segments),
+              max(self._acts[b] - self._acts[a] for a, b in segments))
+
+    return np.vectorize(One, otypes=[np.float64, np.float64])(j)
+
   def Memory(self, j, i):
-    acts = self._acts[i] - self._acts[j]
+    kept, running = self._Kept(j, i)
     inputs = self._inputs[np.asarray(j)]
     if self._remat == 'never':
-      activations = self._in_flight * acts
+      activations = self._in_flight * kept
     elif self._remat == 'always':
-      activations = self._in_flight * inputs + acts
-    else:  # except_last: the last micro-batch keeps all of its activations.
-      activations = (self._in_flight - 1) * inputs + 2 * acts
-    activations = activations + self._pending * acts
-    return self._model_factor * (self._params[i] - self._params[j]) + activations
+      activations = self._in_flight * inputs + kept
+    else:  # except_last: the last micro-batch keeps its activations.
+      activations = (self._in_flight - 1) * inputs + 2 * kept
+    activations = activations + self._pending * kept
+    return self._model_factor * (self._params[i] - self._params[j]) + activations + running
 
 
 def _Merge(profiles, glued):
@@ -152,7 +187,8 @@ def _Ends(profiles, num_stages, model, cap):
 
 
 def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='always',
-             memory_cap_bytes=None, optimizer_slots=2, glued=(), source='', action_overhead_s=0.0):
+             memory_cap_bytes=None, optimizer_slots=2, glued=(), source='',
+             remat_policy=remat_lib.NONE, action_overhead_s=0.0):
   """The Plan minimising the slowest stage with every device under memory_cap_bytes.
 
   Args:
@@ -165,19 +201,21 @@ def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='a
     glued: indices of layers that must share a stage with the layer before
       (a GPipe stack's softmax).
     source: what was profiled (a registry key), kept in the plan.
+    remat_policy: the pipeline's cell_remat_policy (core/remat.py).
     action_overhead_s: seconds each pipeline action costs besides its layers'
       time (dispatch, hand-over bookkeeping): what makes many small
       micro-batches slow.
 
   Raises:
-    ValueError: if no split into K stages fits the cap.
+    NoFitError: if no split into K stages fits the cap.
+    ValueError: for arguments that are not valid.
   """
   units, unit_ends = _Merge(profiles, set(glued))
   if len(units) < num_stages:
     raise ValueError(f'Cannot split {len(units)} layers (after keeping {sorted(glued)} with '
                      f'the layer before) into {num_stages} stages.')
   model = _StageModel(units, _Held(schedule, num_stages, num_micro_batches), remat,
-                      optimizer_slots, action_overhead_s)
+                      optimizer_slots, remat_policy, action_overhead_s)
   cap = np.inf if memory_cap_bytes is None else float(memory_cap_bytes)
   ends = _Ends(units, num_stages, model, cap)
   if ends is None:
@@ -185,13 +223,14 @@ def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='a
     least = partition._SplitDP(_Prefix(np.zeros(len(units))), num_stages, model.Memory,
                                np.maximum)
     need = max(float(model.Memory(j, i)) for j, i in zip([0] + least[:-1], least))
-    raise ValueError(f'No split into {num_stages} stages fits memory_cap_bytes={cap:.4g}: the '
-                     f'leanest split needs {need:.4g} bytes on its fullest device; raise the '
-                     'cap, K or M, or re-materialize.')
+    raise NoFitError(f'No split into {num_stages} stages fits memory_cap_bytes={cap:.4g}: the '
+                     f'leanest split needs {need:.4g} bytes on its fullest device (remat '
+                     f'{remat}, remat policy {remat_policy}); raise the cap, K or M, or '
+                     're-materialize.', need)
   return Plan(source=source, layers=list(profiles), ends=[unit_ends[e - 1] for e in ends],
               num_micro_batches=num_micro_batches, schedule=schedule, remat=remat,
               optimizer_slots=optimizer_slots, memory_cap_bytes=memory_cap_bytes,
-              action_overhead_s=action_overhead_s)
+              remat_policy=remat_policy, action_overhead_s=action_overhead_s)
 
 
 @dataclasses.dataclass
@@ -205,6 +244,7 @@ class Plan:
   remat: str
   optimizer_slots: int
   memory_cap_bytes: float = None
+  remat_policy: str = remat_lib.NONE
   action_overhead_s: float = 0.0
 
   @property
@@ -218,7 +258,8 @@ class Plan:
   def _Model(self):
     return _StageModel(self.layers, _Held(self.schedule, self.num_stages,
                                           self.num_micro_batches),
-                       self.remat, self.optimizer_slots, self.action_overhead_s)
+                       self.remat, self.optimizer_slots, self.remat_policy,
+                       self.action_overhead_s)
 
   def _Bounds(self):
     return list(zip([0] + self.ends[:-1], self.ends))
@@ -254,7 +295,8 @@ class Plan:
     prediction = self.Predict()
     return dict(format=PLAN_FORMAT, source=self.source, ends=self.ends,
                 num_micro_batches=self.num_micro_batches, schedule=self.schedule,
-                remat=self.remat, optimizer_slots=self.optimizer_slots,
+                remat=self.remat, remat_policy=self.remat_policy,
+                optimizer_slots=self.optimizer_slots,
                 action_overhead_s=self.action_overhead_s,
                 memory_cap_bytes=self.memory_cap_bytes,
                 layers=[dataclasses.asdict(p) for p in self.layers], stages=self.Stages(),
@@ -276,7 +318,8 @@ class Plan:
                schedule=data['schedule'], remat=data['remat'],
                optimizer_slots=data['optimizer_slots'],
                action_overhead_s=data.get('action_overhead_s', 0.0),
-               memory_cap_bytes=data['memory_cap_bytes'])
+               memory_cap_bytes=data['memory_cap_bytes'],
+               remat_policy=data.get('remat_policy', remat_lib.NONE))  # Older plans: none.
 
 
 def _Scaled(profiles, factor):
@@ -290,9 +333,10 @@ def _Scaled(profiles, factor):
 
 def ChoosePlan(profiles, num_stages, batch_size, profiled_rows, memory_cap_bytes=None,
                micro_batches=None, schedules=PLANNABLE_SCHEDULES, remats=gpipe.REMAT_MODES,
-               optimizer_slots=2, glued=(), source='', action_overhead_s=0.0):
-  """(best Plan, candidates): the split, M, schedule and remat with the best predicted step
-  time among those whose every device fits memory_cap_bytes.
+               remat_policies=(remat_lib.NONE,), optimizer_slots=2, glued=(), source='',
+               action_overhead_s=0.0):
+  """(best Plan, candidates): the split, M, schedule, remat and remat policy with the best
+  predicted step time among those whose every device fits memory_cap_bytes.
 
   Args:
     profiles: LayerProfiles measured at `profiled_rows` rows per micro-batch.
@@ -300,42 +344,43 @@ def ChoosePlan(profiles, num_stages, batch_size, profiled_rows, memory_cap_bytes
     batch_size: rows of a whole batch (per replica); M must divide it.
     memory_cap_bytes, optimizer_slots, glued, source, action_overhead_s: as MakePlan's.
     micro_batches: the Ms to try; default every divisor of batch_size up to 64.
-    schedules, remats: the schedules and re-materialization modes to try.
+    schedules, remats, remat_policies: the schedules, re-materialization modes and
+      remat policies inside cells (core/remat.py) to try. A finer policy fits a
+      deeper stage in the cap at the price of a recomputed forward.
 
   Returns:
     The best Plan, and every candidate as a dict (num_micro_batches, schedule,
-    remat, step_time_s, bubble, memory_bytes of the fullest device, or
-    why=the reason it does not fit), fastest first.
+    remat, remat_policy, step_time_s, bubble, memory_bytes of the fullest device,
+    or why=the reason it does not fit), fastest first.
 
   Raises:
-    ValueError: if no candidate fits.
+    NoFitError: if no candidate fits (that of the candidate needing least memory).
   """
   micro_batches = micro_batches or [m for m in range(1, min(batch_size, 64) + 1)
                                     if batch_size % m == 0]
-  candidates, plans = [], {}
+  candidates, plans, errors = [], {}, []
   for m in micro_batches:
     scaled = _Scaled(profiles, batch_size / m / profiled_rows)
-    for schedule in schedules:
-      for remat in remats:
-        key = dict(num_micro_batches=m, schedule=schedule, remat=remat)
-        try:
-          plan = MakePlan(scaled, num_stages, m, schedule, remat, memory_cap_bytes,
-                          optimizer_slots, glued, source, action_overhead_s)
-        except ValueError as e:
-          candidates.append(dict(key, step_time_s=np.inf, why=str(e)))
-          continue
-        prediction = plan.Predict()
-        plans[(m, schedule, remat)] = plan
-        candidates.append(dict(key, step_time_s=prediction.step_time,
-                               bubble=prediction.bubble_fraction,
-                               memory_bytes=max(plan.StageMemory())))
+    for schedule, remat, policy in itertools.product(schedules, remats, remat_policies):
+      key = dict(num_micro_batches=m, schedule=schedule, remat=remat, remat_policy=policy)
+      try:
+        plan = MakePlan(scaled, num_stages, m, schedule, remat, memory_cap_bytes,
+                        optimizer_slots, glued, source, policy, action_overhead_s)
+      except NoFitError as e:
+        errors.append(e)
+        candidates.append(dict(key, step_time_s=np.inf, why=str(e)))
+        continue
+      prediction = plan.Predict()
+      plans[tuple(key.values())] = plan
+      candidates.append(dict(key, step_time_s=prediction.step_time,
+                             bubble=prediction.bubble_fraction,
+                             memory_bytes=max(plan.StageMemory())))
   candidates.sort(key=lambda c: (c['step_time_s'], c.get('memory_bytes', np.inf)))
   if not plans:
-    raise ValueError(f'No M in {micro_batches}, schedule in {list(schedules)} or remat in '
-                     f'{list(remats)} fits memory_cap_bytes={memory_cap_bytes}: '
-                     f"{candidates[0]['why']}")
+    raise min(errors, key=lambda e: e.need)
   best = candidates[0]
-  return plans[(best['num_micro_batches'], best['schedule'], best['remat'])], candidates
+  return plans[(best['num_micro_batches'], best['schedule'], best['remat'],
+                best['remat_policy'])], candidates
 
 
 def LoadPlan(path):
@@ -354,8 +399,8 @@ def LoadPlan(path):
 def ApplyPlan(params, plan, path=''):
   """Cuts every pipeline of the params tree (in place) by the plan, with its M, schedule, remat.
 
-  The plan's prediction holds for the M, schedule and re-materialization it
-  was made for, so the pipelines take them. The layer names must be the
+  The plan's prediction holds for the M, schedule and re-materialization
+  (remat and cell_remat_policy) it was made for, so the pipelines take them. The layer names must be the
   plan's. Returns one 'path.key=new (was old)' text per value changed.
   """
   pipelines = list(pipeline_params.Find(params, path))
@@ -369,7 +414,8 @@ def ApplyPlan(params, plan, path=''):
                        f'{plan.layer_names}, but {where or p.name} has {names}.')
     pipeline_params.Recut(p, plan.ends)
     wanted = dict(num_micro_batches=plan.num_micro_batches, micro_batch_size=None,
-                  schedule=plan.schedule, remat=plan.remat)
+                  schedule=plan.schedule, remat=plan.remat,
+                  cell_remat_policy=plan.remat_policy)
     for key, value in wanted.items():
       if p.Get(key) != value:
         if value is not None:
