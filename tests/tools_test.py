@@ -175,6 +175,19 @@ def testPlanBalance(runs):
     assert marked == bool(unmeasured.intersection(cells[3].split(', '))), (row, unmeasured)
 
 
+def testPlanBalanceChoosesMScheduleAndRemat(tmp_path):
+  out, _ = _Finish(_Start('plan_balance', '--model=mlp', '--layers=4', '--width=32',
+                          '--hidden=64', '--rows=16', '--stages=2', '--micro_batches=2',
+                          '--repeats=1', '--choose', '--top=3', f'--out={tmp_path}/plan.json'))
+  head = '| M | schedule | remat | remat policy | predicted step ms |'
+  rows = out.split(head)[1].strip().splitlines()[2:5]  # After the header's rest and ---.
+  assert len(rows) == 3 and 'chosen: fastest predicted step that fits' in rows[0], out
+  plan = planner.LoadPlan(str(tmp_path / 'plan.json'))
+  chosen = [c.strip() for c in rows[0].strip('|').split('|')]
+  assert [str(plan.num_micro_batches), plan.schedule, plan.remat] == chosen[:3]
+  assert 16 % plan.num_micro_batches == 0 and plan.schedule in planner.PLANNABLE_SCHEDULES
+
+
 def testSimulateSchedule(runs):
   results, _, _ = _Output(runs, 'simulate_schedule')
   assert [(r['schedule'], r['stages']) for r in results] == [

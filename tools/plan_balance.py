@@ -169,7 +169,7 @@ def main(argv):
     notes.append(f"* at least this: the backward of {', '.join(sorted(unmeasured))} was not "
                  'measured (forward and backward together ran no longer than the forward '
                  'alone) and counts as 0 ms.')
-  if len(candidates) > 1:
+  if FLAGS.choose:
     print(_CandidateTable(candidates[:FLAGS.top], cap))
   bench_utils.Emit(table, plan.ToJson(), None, notes)
 
