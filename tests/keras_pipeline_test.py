@@ -81,16 +81,22 @@ class _ReferenceDropout(keras.layers.Layer):
     return tf.where(keep, x / (1 - self._rate), 0.0)
 
 
-def testTrainingEqualsSequentialWithDropoutOverMicroBatches():
-  keras.utils.set_random_seed(2)
+def _WithDropoutAndItsReference(random_seed, **pipeline_args):
+  """(PipelineModel of _Layers with dropout, a keras.Sequential of the same weights whose
+  dropout draws the pipeline's masks in plain TensorFlow)."""
+  keras.utils.set_random_seed(random_seed)
   layers = _Layers(dropout=True)
-  pipe = keras_pipeline.PipelineModel(layers, num_stages=4, num_micro_batches=4,
-                                      input_shape=(12,))
+  pipe = keras_pipeline.PipelineModel(layers, input_shape=(12,), **pipeline_args)
   seed = pipe.pipeline.LayersByPath()['pipeline/dropout1'].layer_seed
   ref_layers = list(layers)
   ref_layers[1] = _ReferenceDropout(0.25, seed, lambda: ref.optimizer.iterations)
   ref = keras.Sequential([keras.Input((12,))] + ref_layers)
   ref.set_weights(pipe.get_weights())
+  return pipe, ref
+
+
+def testTrainingEqualsSequentialWithDropoutOverMicroBatches():
+  pipe, ref = _WithDropoutAndItsReference(2, num_stages=4, num_micro_batches=4)
   x, y = _Data(seed=3)
   pipe_losses, ref_losses = _Fit(pipe, x, y), _Fit(ref, x, y)
   np.testing.assert_allclose(pipe_losses, ref_losses, rtol=1e-5)
@@ -135,15 +141,7 @@ def testCallbacksValidationSaveLoadAndExport(tmp_path):
 def testPartialLastBatchTrainsLikeSequential():
   """40 examples in batches of 16, 16 and 8, M=3: micro-batches 6, 5, 5 and 3, 3, 2, with
   dropout; losses and weights equal the unpipelined model's."""
-  keras.utils.set_random_seed(4)
-  layers = _Layers(dropout=True)
-  pipe = keras_pipeline.PipelineModel(layers, num_stages=2, num_micro_batches=3,
-                                      input_shape=(12,))
-  seed = pipe.pipeline.LayersByPath()['pipeline/dropout1'].layer_seed
-  ref_layers = list(layers)
-  ref_layers[1] = _ReferenceDropout(0.25, seed, lambda: ref.optimizer.iterations)
-  ref = keras.Sequential([keras.Input((12,))] + ref_layers)
-  ref.set_weights(pipe.get_weights())
+  pipe, ref = _WithDropoutAndItsReference(4, num_stages=2, num_micro_batches=3)
   x, y = _Data(40, seed=5)
   pipe_losses, ref_losses = _Fit(pipe, x, y), _Fit(ref, x, y)
   assert len(pipe_losses) == 3

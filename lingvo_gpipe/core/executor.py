@@ -385,13 +385,18 @@ class Pass:
     recomputed = None if self.tracer is None else Stamp(self.tracer.clocks[device], targets)
     return tape, args, targets, grads_in, start, recomputed
 
+  def _FromForwardTape(self, device, m, c, grads_in):
+    """(tape, args, targets, grads_in, start) of a forward that kept its tape (no remat)."""
+    tape, args, targets = self.tapes.pop((m, c))
+    start, grads_in = self._Begin(device, grads_in)
+    return tape, args, targets, grads_in, start
+
   def _Backward(self, action, device):
     """BW: both gradients; the weight gradient is added to the chunk's sum at once."""
     m, c = action.micro_batch, action.chunk
     grads_in = self._GradsIn(m, c)
     if (m, c) in self.tapes:
-      tape, args, targets = self.tapes.pop((m, c))
-      start, grads_in = self._Begin(device, grads_in)
+      tape, args, targets, grads_in, start = self._FromForwardTape(device, m, c, grads_in)
       d_args, d_theta = _CellGradients(tape, targets, grads_in, args, self.thetas[c])
       self.theta_grads[c] = _Accumulate(self.theta_grads[c], d_theta)
       recomputed = None
@@ -411,8 +416,7 @@ class Pass:
     m, c = action.micro_batch, action.chunk
     grads_in = self._GradsIn(m, c)
     if (m, c) in self.tapes:
-      tape, args, targets = self.tapes.pop((m, c))
-      start, grads_in = self._Begin(device, grads_in)
+      tape, args, targets, grads_in, start = self._FromForwardTape(device, m, c, grads_in)
       recomputed = None
     else:
       tape, args, targets, grads_in, start, recomputed = self._Recompute(device, m, c, grads_in)
