@@ -197,6 +197,21 @@ def testSplitWeightGradientsOfSharedAndBorrowedWeightsAreExact(sched, remat):
   _AssertGradsClose(tf.nest.flatten([c.sub for c in grads.cell]), ref)
 
 
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testEvalThenTrainWithEverySchedule(sched):
+  """Eval runs the schedule's forwards on its placement (zbv's V included), then training
+  still gives the plain model's gradients."""
+  pipe = _Pipe(2, 2, 'always', sched)
+  x = _Input()
+  with py_utils.EvalMode():
+    assert _RelErr(pipe(x), _Reference(pipe, x)) <= 1e-5
+  ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
+  loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss)
+  assert _RelErr(loss, ref_loss) <= 1e-5
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+  _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
+
+
 @pytest.mark.parametrize('k,m,remat', GRID)
 def testFPropUnderTapeIsExact(k, m, remat):
   pipe = _Pipe(k, m, remat)
