@@ -11,10 +11,12 @@ gradients. Each action kind has one code path:
             computed by the caller's `on_loss`;
   BW(m, c)  the recompute (with remat) and both gradients in one function call,
             the weight gradient added to the chunk's sum at once;
-  B(m, c)   the input gradient only, what the chunk before waits for: the
-            recompute runs here once, and its tape is held for...
-  W(m, c)   ...the weight gradient, which reuses that tape: re-materialization
-            stays one recompute per micro-batch chunk when B and W are split.
+  B(m, c)   the input gradient only, what the chunk before waits for, and the
+            gradients of every layer call's outputs, from one walk back through
+            the chunk (layer_tapes.py); the recompute runs here once and...
+  W(m, c)   ...the weight gradients are taken layer call by layer call from
+            what B left: re-materialization stays one recompute per micro-batch
+            chunk, and the chain of activation gradients is walked once.
 
 In graphs, each action waits (control dependencies) for the previous action
 of the same device, so TensorFlow runs the order the schedule prints and
@@ -28,9 +30,11 @@ micro-batch's random ops and statistics use its own offset and size.
 """
 
 import contextlib
+import functools
 
 import tensorflow as tf
 
+from lingvo_gpipe.core import layer_tapes
 from lingvo_gpipe.core import microbatch
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import schedule as schedule_lib
@@ -259,11 +263,12 @@ class Pass:
       for a forward-only pass).
     step: the training step, which random ops need (BaseLayer.TrainingStep).
     first_example: where this replica's rows start in the whole batch.
+    split: the (micro-batch, chunk) pairs whose backward is split into B and W.
     tracer: a StepTracer, or None.
   """
 
   def __init__(self, layer, replica, thetas, micro_args, remat, keep_inputs, step,
-               first_example, tracer=None):
+               first_example, split=frozenset(), tracer=None):
     self.layer = layer
     self.replica = replica
     self.training = py_utils.CurrentContext().training
@@ -279,6 +284,7 @@ class Pass:
     self.thetas = thetas
     self.remat = remat
     self.keep_inputs = keep_inputs
+    self.split = split
     self.tracer = tracer
     self.num_chunks = len(thetas)
     self.num_micro_batches = len(micro_args)
@@ -345,11 +351,8 @@ class Pass:
         del self.inputs[key]
     else:
       updates = []
-      tape = tf.GradientTape(watch_accessed_variables=False, persistent=True)
-      with tape, py_utils.Context(updates=updates):
-        _Watch(tape, self.thetas[c], args)
-        out, acts = self.layer.CellFProp(c, self.thetas[c], args)
-      self.tapes[key] = (tape, args, (out, acts))
+      self.tapes[key] = self._TapedForward(c, args, updates, key in self.split)
+      out, acts = self.tapes[key][2]
       del self.inputs[key]
     self.updates += updates
     self.acts[key] = acts
@@ -371,32 +374,43 @@ class Pass:
     else:
       self.input_grads[m] = d_args
 
+  def _TapedForward(self, c, args, updates, split):
+    """(tape, args, targets, LayerTapes or None) of chunk c's forward on `args` under a
+    tape; with `split`, each layer call is also recorded for a split B and W."""
+    tape = tf.GradientTape(watch_accessed_variables=False)
+    fprop = functools.partial(self.layer.CellFProp, c)
+    calls = layer_tapes.LayerTapes() if split else None
+    with tape, py_utils.Context(updates=updates, layer_tapes=calls):
+      _Watch(tape, self.thetas[c], args)
+      targets = fprop(self.thetas[c], args) if calls is None else calls.Run(
+          fprop, self.thetas[c], args)
+    return tape, args, targets, calls
+
   def _Recompute(self, device, m, c, grads_in):
-    """(tape, args, targets, start, recompute end or None): chunk c's forward on micro-batch
-    m again under a tape. It also waits for the output gradient, so a device holds a chunk's
-    activations only while it can run that chunk's backward."""
+    """(tape, args, targets, LayerTapes, grads_in, start, recompute end or None): chunk c's
+    forward on micro-batch m again, recorded for B and W. It also waits for the output
+    gradient, so a device holds a chunk's activations only while it can run its backward."""
     waits = [g for g in tf.nest.flatten(grads_in) if g is not None]
     start, (args, grads_in) = self._Begin(device, After(waits, (self.inputs.pop((m, c)),
                                                                 grads_in)))
-    tape = tf.GradientTape(watch_accessed_variables=False, persistent=True)
-    with tape, py_utils.Context(updates=[]):  # The forward recorded the statistics.
-      _Watch(tape, self.thetas[c], args)
-      targets = self.layer.CellFProp(c, self.thetas[c], args)
+    # The forward recorded the batch statistics.
+    tape, args, targets, calls = self._TapedForward(c, args, [], split=True)
     recomputed = None if self.tracer is None else Stamp(self.tracer.clocks[device], targets)
-    return tape, args, targets, grads_in, start, recomputed
+    return tape, args, targets, calls, grads_in, start, recomputed
 
   def _FromForwardTape(self, device, m, c, grads_in):
-    """(tape, args, targets, grads_in, start) of a forward that kept its tape (no remat)."""
-    tape, args, targets = self.tapes.pop((m, c))
+    """(tape, args, targets, LayerTapes or None, grads_in, start) of a forward that kept its
+    tape (no remat)."""
+    tape, args, targets, calls = self.tapes.pop((m, c))
     start, grads_in = self._Begin(device, grads_in)
-    return tape, args, targets, grads_in, start
+    return tape, args, targets, calls, grads_in, start
 
   def _Backward(self, action, device):
     """BW: both gradients; the weight gradient is added to the chunk's sum at once."""
     m, c = action.micro_batch, action.chunk
     grads_in = self._GradsIn(m, c)
     if (m, c) in self.tapes:
-      tape, args, targets, grads_in, start = self._FromForwardTape(device, m, c, grads_in)
+      tape, args, targets, _, grads_in, start = self._FromForwardTape(device, m, c, grads_in)
       d_args, d_theta = _CellGradients(tape, targets, grads_in, args, self.thetas[c])
       self.theta_grads[c] = _Accumulate(self.theta_grads[c], d_theta)
       recomputed = None
@@ -412,25 +426,27 @@ class Pass:
     return self._End(device, action, start, (d_args, self.theta_grads[c]), recomputed)
 
   def _InputGrad(self, action, device):
-    """B: the input gradient; what W needs (the tape and output gradients) is held."""
+    """B: the input gradient and the layer calls' output gradients, held for W."""
     m, c = action.micro_batch, action.chunk
     grads_in = self._GradsIn(m, c)
     if (m, c) in self.tapes:
-      tape, args, targets, grads_in, start = self._FromForwardTape(device, m, c, grads_in)
+      tape, args, targets, calls, grads_in, start = self._FromForwardTape(device, m, c, grads_in)
       recomputed = None
     else:
-      tape, args, targets, grads_in, start, recomputed = self._Recompute(device, m, c, grads_in)
-    d_args, _ = _CellGradients(tape, targets, grads_in, args=args)
-    self.pending_w[(m, c)] = (tape, targets, grads_in)
+      tape, args, targets, calls, grads_in, start, recomputed = self._Recompute(
+          device, m, c, grads_in)
+    (d_args, adjoints), _ = _CellGradients(tape, targets, grads_in,
+                                           args=(args, calls.Adjointed()))
+    self.pending_w[(m, c)] = (calls, adjoints)
     self._HandOn(m, c, d_args)
     return self._End(device, action, start, d_args, recomputed)
 
   def _WeightGrad(self, action, device):
-    """W: the weight gradient from B's tape, added to the chunk's sum."""
+    """W: the weight gradients, layer call by layer call, added to the chunk's sum."""
     m, c = action.micro_batch, action.chunk
-    tape, targets, grads_in = self.pending_w.pop((m, c))
-    start, grads_in = self._Begin(device, grads_in)
-    _, d_theta = _CellGradients(tape, targets, grads_in, theta=self.thetas[c])
+    calls, adjoints = self.pending_w.pop((m, c))
+    start, adjoints = self._Begin(device, adjoints)
+    d_theta = calls.WeightGradients(adjoints, self.thetas[c])
     # Gradient ops are named after the forward they differentiate (B's recompute): named
     # here too, W's outputs show in graphs and traces as W's.
     d_theta = tf.nest.map_structure(tf.identity, d_theta)
@@ -485,7 +501,7 @@ class Replicas:
   """
 
   def __init__(self, layer, thetas, args, num_micro_batches, remat, step, keep_inputs=True,
-               tracer=None):
+               split=frozenset(), tracer=None):
     self._layer = layer
     batch_dim = layer.params.batch_dim
     parts = microbatch.Split(args, layer.num_replicas, batch_dim) if (
@@ -494,7 +510,7 @@ class Replicas:
     self.passes = [
         Pass(layer, r, layer.ReplicaThetas(thetas, r),
              microbatch.Split(part, num_micro_batches, batch_dim), remat, keep_inputs, step,
-             first_example=first, tracer=tracer)
+             first_example=first, split=split, tracer=tracer)
         for r, (part, first) in enumerate(zip(parts, firsts))]
 
   def Execute(self, actions, on_loss=None):

@@ -337,8 +337,10 @@ class PipeliningLayer(base_layer.BaseLayer):
     args, before_tape = self._BeforeWithTape(theta, executor.AsArgs(inputs))
     args, rows, num = self._MicroBatching(args, training=True)
     sched = self._Schedule(num)
+    split = {(s.action.micro_batch, s.action.chunk) for s in sched.steps
+             if s.action.kind == schedule_lib.WEIGHT_GRAD}
     run = executor.Replicas(self, self._ChunkThetas(theta), args, num, self.params.remat,
-                            self._Step(), tracer=self._Tracer())
+                            self._Step(), split=split, tracer=self._Tracer())
     metrics = []  # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
     micro_loss_fn = None if sched.whole_batch_loss else metrics_lib.MicroBatchLoss(
         loss_fn, num * self.num_replicas, rows, self.params.batch_dim, self.params.schedule)
