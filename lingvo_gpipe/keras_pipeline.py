@@ -1,16 +1,29 @@
 """PipelineModel: a Keras model whose layers run as a GPipe pipeline.
 
     model = keras.Sequential([keras.Input((64,)), ...])  # An existing model, or a layer list.
-    pipe = keras_pipeline.PipelineModel(model, num_stages=4, num_micro_batches=8)
+    pipe = keras_pipeline.PipelineModel(model, num_stages=4, num_micro_batches=8,
+                                        schedule='1f1b')
     pipe.compile(optimizer='adam', loss='mse')
     pipe.fit(x, y, batch_size=64, epochs=10)
 
 The layers are cut into `num_stages` balanced cells on as many devices
-(gpipe.PartitionSequentialLayers), each batch into `num_micro_batches`, and the
-backward pass re-computes each cell's forward instead of storing activations.
-Each layer runs as a KerasLayer (core/keras_layer.py) built from its config and
-starting from its weights if it has any, so the given layers are copied, not
-shared: read the trained weights from this model.
+(`num_stages * virtual_stages` chunks for schedules that put several on each
+device: gpipe.PartitionSequentialLayers), each batch into `num_micro_batches`,
+and the backward pass re-computes each cell's forward instead of storing
+activations. Each layer runs as a KerasLayer (core/keras_layer.py) built from
+its config and starting from its weights if it has any, so the given layers are
+copied, not shared: read the trained weights from this model.
+
+Training runs the pipeline's schedule, any of schedule.SCHEDULE_NAMES:
+train_step calls PipeliningLayer.ForwardBackward, which runs the schedule's
+forward and backward actions itself (Keras's default train_step differentiates
+the forward, which can only run fill-drain). The loss is compile()'s, taken on
+each micro-batch's outputs with its rows of the targets and sample weights
+('gpipe': once on the whole batch) and merged into the whole batch's (a mean
+weighs micro-batches by their rows); the layers' weight regularizers
+(self.losses) read only the weights and are added outside the pipeline;
+compiled metrics run on the whole batch's outputs. An overridden compute_loss
+is not used in training; a layer's activity_regularizer is refused.
 
 It is a keras.Model: compile, fit (with callbacks and validation data),
 evaluate, predict, save and keras.models.load_model, export, and get_weights /
@@ -25,7 +38,8 @@ micro-batches that differ by a row (10 examples, M=4: 3, 3, 2, 2), and a batch
 of unknown size at trace time is split when it runs, so fit() takes a partial
 last batch and export() serves a `[None, ...]` signature, one example too. A
 training batch must hold at least num_micro_batches examples, one per
-micro-batch (else an InvalidArgumentError when it runs). With a Keras mixed-precision policy (e.g.
+micro-batch (else an InvalidArgumentError when it runs). With a Keras
+mixed-precision policy (e.g.
 keras.mixed_precision.set_global_policy('mixed_bfloat16')) the layers compute in
 its compute dtype and the weights stay float32.
 """
@@ -36,6 +50,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import keras_layer
 from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import schedule as schedule_lib
 
 
 def _LayersAndShape(layers):
@@ -61,7 +76,11 @@ class PipelineModel(keras.Model):
       with keras.Input(shape)), or their keras.layers.serialize() configs.
     num_stages: K, the number of cells and devices.
     num_micro_batches: M, the micro-batches each batch is split into.
-    schedule: 'gpipe' (fill-drain), the schedule of a differentiated forward.
+    schedule: one of schedule.SCHEDULE_NAMES: 'gpipe' (fill-drain), '1f1b',
+      'interleaved_1f1b', 'zb_h1', 'zb_h2', 'zbv'.
+    virtual_stages: v chunks per device (interleaved_1f1b: any v, its
+      num_micro_batches at most num_stages or a multiple of it; zbv: 2; the
+      others: 1); the layers are cut into num_stages * v chunks.
     remat: re-materialization, 'always', 'except_last' or 'never'.
     devices: device names, one per stage; None takes the local devices.
     cost: how stages are balanced: 'auto' or 'flops' (an estimate per layer,
@@ -74,24 +93,23 @@ class PipelineModel(keras.Model):
   """
 
   def __init__(self, layers, num_stages=1, num_micro_batches=1, schedule='gpipe',
-               remat='always', devices=None, cost='auto', jit_compile=False, input_shape=None,
-               **kwargs):
+               virtual_stages=1, remat='always', devices=None, cost='auto', jit_compile=False,
+               input_shape=None, **kwargs):
     super().__init__(**kwargs)
     # XLA compiles one device's work and a train step spans the stages' devices: Keras
     # then warns of and ignores compile(jit_compile=True); see jit_compile above.
     self.supports_jit = False
     layers, shape = _LayersAndShape(layers)
-    if schedule != 'gpipe':
-      raise ValueError(f"PipelineModel schedule {schedule!r} is not supported: Keras's "
-                       "train_step differentiates the forward pass, which runs 'gpipe'.")
+    # A ValueError naming a bad schedule or virtual_stages now, not at the first batch.
+    schedule_lib.Schedule(schedule, num_stages, num_micro_batches, virtual_stages)
     self._layer_configs = [layer if isinstance(layer, dict) else keras.layers.serialize(layer)
                            for layer in layers]
     # Weights of the given layers that are built, copied in when the pipeline is built.
     self._given_weights = [layer.get_weights() if isinstance(layer, keras.layers.Layer) and
                            layer.built else None for layer in layers]
     self._options = dict(num_stages=num_stages, num_micro_batches=num_micro_batches,
-                         schedule=schedule, remat=remat, devices=devices, cost=cost,
-                         jit_compile=jit_compile)
+                         schedule=schedule, virtual_stages=virtual_stages, remat=remat,
+                         devices=devices, cost=cost, jit_compile=jit_compile)
     self._pipeline = None
     self._output_shape = None
     shape = input_shape if input_shape is not None else shape
@@ -120,12 +138,14 @@ class PipelineModel(keras.Model):
     with tf.init_scope():
       params_list, self._output_shape = keras_layer.ParamsFromKerasLayers(
           self._layer_configs, shape)
-      cells = gpipe.PartitionSequentialLayers(params_list, opts['num_stages'],
-                                              tf.TensorShape((1,) + shape), cost=opts['cost'])
+      cells = gpipe.PartitionSequentialLayers(
+          params_list, opts['num_stages'] * opts['virtual_stages'],
+          tf.TensorShape((1,) + shape), cost=opts['cost'])
       p = gpipe.PipeliningLayer.Params().Set(
           name='pipeline', cell_tpl=cells, num_micro_batches=opts['num_micro_batches'],
-          schedule=opts['schedule'], remat=opts['remat'], devices=opts['devices'],
-          jit_compile=opts['jit_compile'], dtype=tf.as_dtype(self.variable_dtype), fprop_dtype=tf.as_dtype(self.compute_dtype))
+          schedule=opts['schedule'], virtual_stages=opts['virtual_stages'],
+          remat=opts['remat'], devices=opts['devices'], jit_compile=opts['jit_compile'],
+          dtype=tf.as_dtype(self.variable_dtype), fprop_dtype=tf.as_dtype(self.compute_dtype))
       self._pipeline = p.Instantiate()
     self._input_shape = shape
     # Tracked by Keras as this model's layers: their variables are the pipeline's.
@@ -137,10 +157,60 @@ class PipelineModel(keras.Model):
     self.built = True
 
   def call(self, inputs, training=False):
+    """The pipelined forward; with training=True differentiable, by fill-drain ('gpipe'
+    only: fit() trains any schedule through train_step)."""
     training = bool(training)
     step = self.optimizer.iterations if training and self.optimizer is not None else None
     with py_utils.Context(training=training, step=step):
       return self._pipeline.FProp(self._pipeline.theta, inputs)
+
+  def train_step(self, data):
+    """One step of the schedule (module doc): ForwardBackward with compile()'s loss,
+    the regularizers' gradients added, applied by the optimizer; the logs of
+    Keras's own train_step (loss and compiled metrics)."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    if self._compile_loss is None:
+      raise ValueError(f'{self.name}: fit() trains the loss of compile(loss=...); none given.')
+    x = self._CastInput(x)
+    if not self.built:  # Not built by its first call (call() does not run in training).
+      self.build(tuple(x.shape.as_list()))
+    pipe = self._pipeline
+    with py_utils.Context(training=True, step=self.optimizer.iterations):
+      loss, grads, y_pred = pipe.ForwardBackward(pipe.theta, x, self._ScaledLoss,
+                                                 labels=(y, sample_weight), with_outputs=True)
+    variables = self.trainable_variables
+    tf_variables = [v.value for v in variables]  # What theta holds (KerasLayer).
+    by_ref = {v.ref(): g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+    grads = [by_ref[v.ref()] for v in tf_variables]
+    loss = loss / self.optimizer.scale_loss(tf.ones([], loss.dtype))
+    loss, grads = self._WithRegularization(loss, grads, tf_variables)
+    self.optimizer.apply_gradients(zip(grads, variables))
+    self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
+    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+  def _CastInput(self, x):
+    """A floating input in the compute dtype, as keras.Model.__call__ hands it to call()."""
+    x = tf.convert_to_tensor(x)
+    return tf.cast(x, self.compute_dtype) if x.dtype.is_floating else x
+
+  def _ScaledLoss(self, y_pred, labels):
+    """compile()'s loss of (a micro-batch's) outputs, scaled as the optimizer asks (a
+    LossScaleOptimizer's scale keeps float16 gradients from underflowing)."""
+    y, sample_weight = labels
+    return self.optimizer.scale_loss(self._compile_loss(y, y_pred, sample_weight))
+
+  def _WithRegularization(self, loss, grads, variables):
+    """loss and grads plus those of self.losses (the layers' weight regularizers, which
+    Keras's compute_loss adds): they read only the weights, so a tape outside the
+    pipeline gives their gradients exactly."""
+    if not self.losses:
+      return loss, grads
+    with tf.GradientTape() as tape:
+      extra = tf.add_n([tf.reduce_sum(tf.cast(x, loss.dtype)) for x in self.losses])
+      scaled = self.optimizer.scale_loss(extra)
+    extra_grads = tape.gradient(scaled, variables,
+                                unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return loss + extra, [g + e for g, e in zip(grads, extra_grads)]
 
   def compute_output_spec(self, inputs, training=False):
     del training  # The shapes do not depend on it.

@@ -696,6 +696,34 @@ def testUnevenMicroBatchesWithSumAndPairLossesAndUnevenReplicas(sched):
   _AssertUnevenExact(_UnevenPipe(sched, 'always', num_replicas=2), _Input()[:11], _Loss)
 
 
+def _LabelLoss(y, labels):
+  """A mean squared error to targets, weighted per row: what a Keras loss takes."""
+  targets, weights = labels
+  return tf.reduce_mean(weights[:, None] * tf.square(y - targets))
+
+
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testLabelsAreSplitAsTheInputsAndOutputsAreReturned(sched):
+  """11 rows on 2 replicas, M=4: each micro-batch's loss reads its own rows of the labels;
+  with_outputs returns the whole batch's outputs."""
+  pipe = _UnevenPipe(sched, 'always', num_replicas=2)
+  x = _Input()[:11]
+  labels = (tf.reverse(x, [0]), tf.range(1.0, 12.0))
+  seen = []
+
+  def RefLoss(y):
+    seen.append(y)
+    return _LabelLoss(y, labels)
+
+  ref_loss, ref_grads = _UnevenReference(pipe, x, RefLoss)
+  with py_utils.Context(step=7):
+    loss, grads, outputs = pipe.ForwardBackward(pipe.theta, x, _LabelLoss, labels=labels,
+                                                with_outputs=True)
+  assert _RelErr(loss, ref_loss) <= 1e-5 and _RelErr(outputs, seen[0]) <= 1e-5
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+  _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
+
+
 def testUnevenMicroBatchesRefuseAPairWhoseWeightDoesNotCountItsItems():
   pipe = _UnevenPipe('1f1b', 'always')
   with pytest.raises(ValueError, match=r"uneven sizes \[3, 3, 2, 2\], but its 'loss' "

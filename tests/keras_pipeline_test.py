@@ -8,8 +8,11 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe import keras_pipeline
+from lingvo_gpipe.core import schedule
 
 _STEPS, _BATCH = 20, 16
+# Chunks per device of the schedules that run more than one.
+_V = {'interleaved_1f1b': 2, 'zbv': 2}
 
 
 def _Layers(batch_norm=False, dropout=False):
@@ -28,20 +31,22 @@ def _Data(n=_STEPS * _BATCH, seed=0):
 
 
 class _BatchLosses(keras.callbacks.Callback):
-  """The loss Keras logs after each batch (the epoch's running mean)."""
+  """The loss and metric Keras log after each batch (the epoch's running means)."""
 
   def __init__(self):
     super().__init__()
     self.losses = []
 
   def on_train_batch_end(self, batch, logs=None):
-    self.losses.append(logs['loss'])
+    self.losses.append((logs['loss'], logs['mae']))
 
 
-def _Fit(model, x, y):
-  model.compile(keras.optimizers.Adam(1e-2), 'mse')
+def _Fit(model, x, y, sample_weight=None, batch_size=_BATCH):
+  """[steps, 2]: the logged loss and mean absolute error of one epoch of fit()."""
+  model.compile(keras.optimizers.Adam(1e-2), 'mse', metrics=['mae'])
   losses = _BatchLosses()
-  model.fit(x, y, batch_size=_BATCH, shuffle=False, verbose=0, callbacks=[losses])
+  model.fit(x, y, sample_weight=sample_weight, batch_size=batch_size, shuffle=False, verbose=0,
+            callbacks=[losses])
   return np.array(losses.losses)
 
 
@@ -81,25 +86,51 @@ class _ReferenceDropout(keras.layers.Layer):
     return tf.where(keep, x / (1 - self._rate), 0.0)
 
 
-def _WithDropoutAndItsReference(random_seed, **pipeline_args):
+def _WithDropoutAndItsReference(random_seed, batch_norm=False, **pipeline_args):
   """(PipelineModel of _Layers with dropout, a keras.Sequential of the same weights whose
   dropout draws the pipeline's masks in plain TensorFlow)."""
   keras.utils.set_random_seed(random_seed)
-  layers = _Layers(dropout=True)
+  layers = _Layers(batch_norm=batch_norm, dropout=True)
   pipe = keras_pipeline.PipelineModel(layers, input_shape=(12,), **pipeline_args)
-  seed = pipe.pipeline.LayersByPath()['pipeline/dropout1'].layer_seed
+  i = next(i for i, layer in enumerate(layers) if isinstance(layer, keras.layers.Dropout))
+  seed = pipe.pipeline.LayersByPath()[f'pipeline/dropout{i}'].layer_seed
   ref_layers = list(layers)
-  ref_layers[1] = _ReferenceDropout(0.25, seed, lambda: ref.optimizer.iterations)
+  ref_layers[i] = _ReferenceDropout(0.25, seed, lambda: ref.optimizer.iterations)
   ref = keras.Sequential([keras.Input((12,))] + ref_layers)
   ref.set_weights(pipe.get_weights())
   return pipe, ref
 
 
-def testTrainingEqualsSequentialWithDropoutOverMicroBatches():
-  pipe, ref = _WithDropoutAndItsReference(2, num_stages=4, num_micro_batches=4)
-  x, y = _Data(seed=3)
+def _Schedule(sched):
+  """PipelineModel arguments of schedule `sched` on 2 devices."""
+  return dict(num_stages=2, schedule=sched, virtual_stages=_V.get(sched, 1))
+
+
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testEveryScheduleTrainsLikeSequential(sched):
+  """20 steps of batches of 14 rows, M=4 (micro-batches of 4, 4, 3 and 3), dropout: the
+  logged loss and metric, the weights, evaluate() and predict() equal the Sequential's."""
+  pipe, ref = _WithDropoutAndItsReference(2, num_micro_batches=4, **_Schedule(sched))
+  x, y = _Data(_STEPS * 14, seed=3)
+  pipe_losses, ref_losses = _Fit(pipe, x, y, batch_size=14), _Fit(ref, x, y, batch_size=14)
+  assert len(pipe_losses) == _STEPS
+  np.testing.assert_allclose(pipe_losses, ref_losses, rtol=1e-5)
+  assert _RelativeDifference(pipe.get_weights(), ref.get_weights()) < 1e-5
+  np.testing.assert_allclose(pipe.evaluate(x, y, batch_size=14, verbose=0),
+                             ref.evaluate(x, y, batch_size=14, verbose=0), rtol=1e-5)
+  np.testing.assert_allclose(pipe.predict(x[:7], batch_size=_BATCH, verbose=0),
+                             ref.predict(x[:7], verbose=0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testEveryScheduleTrainsBatchNormAndDropoutLikeSequential(sched):
+  """M=1, where batch norm's statistics are the whole batch's as in the Sequential."""
+  pipe, ref = _WithDropoutAndItsReference(1, batch_norm=True, num_micro_batches=1,
+                                          **_Schedule(sched))
+  x, y = _Data(seed=4)
   pipe_losses, ref_losses = _Fit(pipe, x, y), _Fit(ref, x, y)
   np.testing.assert_allclose(pipe_losses, ref_losses, rtol=1e-5)
+  # Every weight, the batch-norm moving statistics included.
   assert _RelativeDifference(pipe.get_weights(), ref.get_weights()) < 1e-5
 
 
@@ -138,10 +169,12 @@ def testCallbacksValidationSaveLoadAndExport(tmp_path):
     np.testing.assert_allclose(exported.serve(x[:rows]).numpy(), expected[:rows], rtol=1e-6)
 
 
-def testPartialLastBatchTrainsLikeSequential():
+@pytest.mark.parametrize('sched', ['gpipe', 'zbv'])
+def testPartialLastBatchTrainsLikeSequential(sched):
   """40 examples in batches of 16, 16 and 8, M=3: micro-batches 6, 5, 5 and 3, 3, 2, with
-  dropout; losses and weights equal the unpipelined model's."""
-  pipe, ref = _WithDropoutAndItsReference(4, num_stages=2, num_micro_batches=3)
+  dropout; losses and weights equal the unpipelined model's, for the whole-batch loss of
+  'gpipe' and the per-micro-batch loss of the others."""
+  pipe, ref = _WithDropoutAndItsReference(4, num_micro_batches=3, **_Schedule(sched))
   x, y = _Data(40, seed=5)
   pipe_losses, ref_losses = _Fit(pipe, x, y), _Fit(ref, x, y)
   assert len(pipe_losses) == 3
@@ -151,7 +184,7 @@ def testPartialLastBatchTrainsLikeSequential():
                              ref.predict(x[:7], verbose=0), rtol=1e-5, atol=1e-6)
 
 
-def testALastBatchSmallerThanMIsAClearErrorAndScheduleIsChecked():
+def testALastBatchSmallerThanMIsAClearError():
   pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=4,
                                       input_shape=(12,))
   pipe.compile('sgd', 'mse')
@@ -159,8 +192,53 @@ def testALastBatchSmallerThanMIsAClearErrorAndScheduleIsChecked():
   with pytest.raises(tf.errors.InvalidArgumentError, match='at least num_micro_batches x '
                      'num_replicas = 4 examples'):
     pipe.fit(x, y, batch_size=_BATCH, verbose=0)
-  with pytest.raises(ValueError, match='not supported'):
-    keras_pipeline.PipelineModel(_Layers(), schedule='1f1b')
+
+
+def testScheduleAndVirtualStagesAreChecked():
+  for kwargs, message in (
+      (dict(schedule='zb'), "Unknown schedule 'zb'"),
+      (dict(schedule='zbv'), "'zbv' runs 2 chunk.* virtual_stages=1"),
+      (dict(schedule='1f1b', virtual_stages=2), "'1f1b' runs 1 chunk.* virtual_stages=2"),
+      (dict(schedule='interleaved_1f1b', virtual_stages=0), 'virtual_stages .* got 0'),
+      (dict(schedule='interleaved_1f1b', virtual_stages=2, num_micro_batches=3),
+       'num_micro_batches=3')):
+    with pytest.raises(ValueError, match=message):
+      keras_pipeline.PipelineModel(_Layers(), num_stages=2, **kwargs)
+
+
+def testWeightRegularizersAndSampleWeightsTrainLikeSequential():
+  """Uneven micro-batches (16 rows, M=3) of a per-micro-batch schedule."""
+  def Layers():
+    return [keras.layers.Dense(16, activation='relu', kernel_regularizer='l2'),
+            keras.layers.Dense(4, bias_regularizer=keras.regularizers.L1(0.1))]
+
+  keras.utils.set_random_seed(5)
+  seq = keras.Sequential([keras.Input((12,))] + Layers())
+  pipe = keras_pipeline.PipelineModel(seq, num_micro_batches=3, **_Schedule('zb_h1'))
+  x, y = _Data(5 * _BATCH, seed=6)
+  weights = np.random.RandomState(7).uniform(0, 2, len(x)).astype('float32')
+  pipe_losses, seq_losses = _Fit(pipe, x, y, weights), _Fit(seq, x, y, weights)
+  np.testing.assert_allclose(pipe_losses, seq_losses, rtol=1e-5)
+  assert _RelativeDifference(pipe.get_weights(), seq.get_weights()) < 1e-5
+  with pytest.raises(ValueError, match='activity_regularizer'):
+    keras_pipeline.PipelineModel([keras.layers.Dense(4, activity_regularizer='l2')],
+                                 input_shape=(12,))
+
+
+def testSaveAndLoadKeepTheSchedule(tmp_path):
+  pipe = keras_pipeline.PipelineModel(_Layers(), num_micro_batches=2, input_shape=(12,),
+                                      **_Schedule('zbv'))
+  x, y = _Data(3 * _BATCH)
+  _Fit(pipe, x[:2 * _BATCH], y[:2 * _BATCH])
+  pipe.save(tmp_path / 'zbv.keras')
+  loaded = keras.models.load_model(tmp_path / 'zbv.keras')
+  config = loaded.get_config()
+  assert (config['schedule'], config['virtual_stages']) == ('zbv', 2)
+  assert loaded.pipeline.placement == pipe.pipeline.placement == [0, 1, 1, 0]
+  np.testing.assert_array_equal(loaded.predict(x, verbose=0), pipe.predict(x, verbose=0))
+  for model in (pipe, loaded):  # The optimizer's state came back too.
+    model.fit(x[2 * _BATCH:], y[2 * _BATCH:], batch_size=_BATCH, verbose=0)
+  assert _RelativeDifference(loaded.get_weights(), pipe.get_weights()) < 1e-6
 
 
 def testMixedPrecisionPolicy():

@@ -312,7 +312,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     return self._Result(outputs, acts)
 
   @tf.autograph.experimental.do_not_convert
-  def ForwardBackward(self, theta, inputs, loss_fn):
+  def ForwardBackward(self, theta, inputs, loss_fn, labels=None, with_outputs=False):
     """(loss, grads) of loss_fn(outputs) by the configured schedule.
 
     Args:
@@ -329,10 +329,16 @@ class PipeliningLayer(base_layer.BaseLayer):
         mean of its micro-batch values (weighted by their rows when M does not
         divide the batch), which a probe on random outputs tells, else it is
         refused with a ValueError (metrics.MicroBatchLoss).
+      labels: None, or tensors batched like the inputs (a structure, e.g. targets
+        and example weights) that loss_fn takes as its last argument: a
+        micro-batch's loss gets the rows of its own outputs, split as the inputs are.
+      with_outputs: also return the whole batch's outputs (as FProp's), e.g. for
+        metrics; the schedule keeps them until the pass ends anyway.
 
     Returns:
       (loss, grads), grads a NestedMap shaped like theta; if loss_fn returns a
-      NestedMap, the first value is the NestedMap of merged (value, weight).
+      NestedMap, the first value is the NestedMap of merged (value, weight). With
+      with_outputs, (loss, grads, outputs).
     """
     args, before_tape = self._BeforeWithTape(theta, executor.AsArgs(inputs))
     args, rows, num = self._MicroBatching(args, training=True)
@@ -348,15 +354,18 @@ class PipeliningLayer(base_layer.BaseLayer):
     def OnLoss(one, m):
       if one is None:  # L(*): the whole batch's loss, once over every replica.
         outputs, acts = run.MergedOutputs()
-        batch_metrics, d_outputs, d_acts = self._LossGradients(loss_fn, outputs, acts)
+        batch_metrics, d_outputs, d_acts = self._LossGradients(loss_fn, outputs, acts, labels)
         run.SetOutputGradients(d_outputs, d_acts)
       else:
         outputs, acts = one.MicroBatchOutputs(m)
-        batch_metrics, d_outputs, d_acts = self._LossGradients(micro_loss_fn, outputs, acts)
+        batch_metrics, d_outputs, d_acts = self._LossGradients(
+            micro_loss_fn, outputs, acts, None if labels is None else label_parts[one.replica][m])
         one.SetMicroBatchOutputGradients(m, d_outputs, d_acts)
       metrics.append(batch_metrics)
 
     with tf.device(self.ReplicaDevices(0)[-1]):
+      label_parts = None if labels is None or sched.whole_batch_loss else self._SplitLabels(
+          labels, num)
       run.Execute([s.action for s in sched.steps], OnLoss)
     base_layer.ApplyRecordedUpdates(run.updates)
     merged = metrics_lib.MergeMetrics([m for m, _ in metrics])
@@ -365,7 +374,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     grads = py_utils.NestedMap(
         before=self._BeforeGradients(theta, before_tape, args, run.MergedInputGradients()),
         cell=run.theta_grads).Transform(lambda g: g * tf.cast(scale, g.dtype))
-    return (merged if metrics[0][1] else merged.loss[0]), grads
+    loss = merged if metrics[0][1] else merged.loss[0]
+    return (loss, grads, self._Result(*run.MergedOutputs())) if with_outputs else (loss, grads)
 
   # -- internals -------------------------------------------------------------------
 
@@ -433,13 +443,22 @@ class PipeliningLayer(base_layer.BaseLayer):
                             unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return tf.nest.pack_sequence_as(theta.before, grads)
 
-  def _LossGradients(self, loss_fn, outputs, acts):
+  def _SplitLabels(self, labels, num):
+    """Per replica, per micro-batch, its rows of `labels`: split as executor.Replicas splits
+    the inputs (replicas first, then micro-batches)."""
+    batch_dim = self.params.batch_dim
+    parts = microbatch.Split(labels, self.num_replicas, batch_dim) if (
+        self.num_replicas > 1) else [labels]
+    return [microbatch.Split(part, num, batch_dim) for part in parts]
+
+  def _LossGradients(self, loss_fn, outputs, acts, labels=None):
     """loss_fn's metrics and the gradients of value * weight of their loss."""
     floats = [x for x in tf.nest.flatten((outputs, acts)) if executor.IsFloatTensor(x)]
     with tf.GradientTape() as tape:
       tape.watch(floats)
       result = self._Result(outputs, acts)
-      value = loss_fn(*result) if acts else loss_fn(result)
+      args = result if acts else (result,)
+      value = loss_fn(*args) if labels is None else loss_fn(*args, labels)
       metrics = metrics_lib.AsMetrics(value)
       loss, weight = metrics.loss
       weighted = loss * tf.stop_gradient(weight)

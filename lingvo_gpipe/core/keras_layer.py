@@ -145,6 +145,9 @@ class KerasLayer(base_layer.BaseLayer):
         layer.noise_shape[0] is not None):
       raise ValueError(f'{self.path}: Dropout noise_shape {layer.noise_shape} must leave the '
                        'batch dimension None: each example draws its own mask.')
+    if getattr(layer, 'activity_regularizer', None) is not None:
+      raise ValueError(f'{self.path}: activity_regularizer is not supported: the loss it adds '
+                       'in call() would be dropped (weight regularizers work).')
     if isinstance(layer, keras.layers.BatchNormalization) and layer.renorm:
       raise ValueError(f'{self.path}: BatchNormalization(renorm=True) is not supported; its '
                        'renorm statistics would be updated once per micro-batch.')
