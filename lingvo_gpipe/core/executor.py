@@ -445,8 +445,12 @@ class Pass:
     """W: the weight gradients, layer call by layer call, added to the chunk's sum."""
     m, c = action.micro_batch, action.chunk
     calls, adjoints = self.pending_w.pop((m, c))
-    start, adjoints = self._Begin(device, adjoints)
-    d_theta = calls.WeightGradients(adjoints, self.thetas[c])
+    # W waits for the device's last action by a control dependency, not by passing the held
+    # gradients through identities: each is then freed once the ops that use it ran, and
+    # those no weight gradient uses are not held at all.
+    start, waits = self._Begin(device, self.tokens[device])
+    with tf.control_dependencies(_Tokens(waits)):
+      d_theta = calls.WeightGradients(adjoints, self.thetas[c])
     # Gradient ops are named after the forward they differentiate (B's recompute): named
     # here too, W's outputs show in graphs and traces as W's.
     d_theta = tf.nest.map_structure(tf.identity, d_theta)

@@ -64,18 +64,21 @@ class LayerTapes:
   """
 
   def __init__(self):
-    self._calls = []  # Finished calls, children before their caller.
+    self._calls = []  # Finished calls with weights, children before their caller.
     self._open = []  # The calls running, innermost last.
+    self._root = None
 
   def Run(self, fprop, theta, *args, **kwargs):
     """fprop(theta, *args, **kwargs) as a call of its own, inside the running call."""
     caller = self._open[-1] if self._open else None
-    if caller is not None:
-      args, kwargs = _Identities((args, kwargs))
     call = _Call(theta)
-    if caller is not None:
+    if caller is None:
+      self._root = call
+    else:
+      args, kwargs = _Identities((args, kwargs))
       caller.handed_inputs += _Floats((args, kwargs))
-      caller.children.append(call)
+      if call.theta:  # A call without weights (dropout, an activation) has no W.
+        caller.children.append(call)
     paused = caller.tape.stop_recording() if caller is not None else contextlib.nullcontext()
     with paused, call.tape:
       call.tape.watch(call.theta)
@@ -85,7 +88,8 @@ class LayerTapes:
       finally:
         self._open.pop()
     call.outputs = _Floats(out)
-    self._calls.append(call)
+    if call.theta:
+      self._calls.append(call)
     return out
 
   def Adjointed(self):
@@ -104,7 +108,7 @@ class LayerTapes:
       call.theta_grads = call.tape.gradient(
           [x for x, _ in pairs], call.theta, output_gradients=[g for _, g in pairs]) if (
               pairs) else [None] * len(call.theta)
-    root = dict(zip((x.ref() for x in self._calls[-1].theta), self._calls[-1].theta_grads))
+    root = dict(zip((x.ref() for x in self._root.theta), self._root.theta_grads or []))
 
     def Grad(x):
       g = root.get(x.ref()) if isinstance(x, tf.Tensor) else None
