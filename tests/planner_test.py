@@ -165,9 +165,9 @@ def testZeroBubbleCountsWhatPendingWeightGradientsHold():
   zb = planner.MakePlan(profiles, 2, 8, schedule='zb_h1')
   assert ofob.StageMemory() == [2 * 10 + 6.0] * 2  # 2 inputs in flight, 1 cell's activations.
   assert zb.StageMemory() == [2 * 10 + 6 + 2 * 6.0] * 2  # And 2 pending Ws.
-  # Per micro-batch: F 2, B 4 (the recompute and half the backward), W 4 (the executor's W
-  # walks the activation-gradient chain again), against F 2 and BW 6.
-  np.testing.assert_allclose(zb.Predict().busy, [8 * (2 + 4 + 4)] * 2)
+  # Per micro-batch: F 2, B 4 (the recompute and half the backward), W 2 (the other half,
+  # layer call by layer call), against F 2 and BW 6: the same work, split.
+  np.testing.assert_allclose(zb.Predict().busy, [8 * (2 + 4 + 2)] * 2)
   np.testing.assert_allclose(ofob.Predict().busy, [8 * (2 + 6)] * 2)
 
 
