@@ -269,6 +269,31 @@ def testInsideTfFunction(k, m, sched):
   _AssertGradsClose(grads, ref_grads)
 
 
+@pytest.mark.parametrize('sched', ['gpipe', 'zb_h1'])
+def testPassesInOneFunctionEachSumTheirOwnGradients(sched):
+  """Each pass starts its chunks' in-place gradient sums afresh, after the last pass read
+  them: fused backwards (gpipe) and split weight gradients (zb_h1); FProp under a tape."""
+  pipe = _Pipe(2, 2, 'always', sched)
+  inputs = [_Input(1), _Input(2)]
+
+  def Ordered(grads):
+    by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+    return [by_name[v.name] for v in pipe.trainable_variables]
+
+  @tf.function
+  def Steps():
+    grads = [Ordered(pipe.ForwardBackward(pipe.theta, x, _Loss)[1]) for x in inputs]
+    if sched == 'gpipe':
+      with tf.GradientTape() as tape:
+        loss = _Loss(pipe(inputs[0]))
+      grads.append(tape.gradient(loss, pipe.trainable_variables))
+    return grads
+
+  grads = Steps()
+  for x, pass_grads in zip(inputs + inputs[:1], grads):
+    _AssertGradsClose(pass_grads, _ReferenceLossAndGrads(pipe, x)[1])
+
+
 class _MapProj(layers.ProjectionLayer):
   """Projects NestedMap.x, keeping the mask: a before_tpl layer."""
 
@@ -964,6 +989,46 @@ def testOneFOneBBoundsActivationsByStagesNotMicroBatches():
   fill_drain, one_f_one_b, one_f_one_b_few = Peak('gpipe', 16), Peak('1f1b', 16), Peak('1f1b', 4)
   assert one_f_one_b <= 0.5 * fill_drain, (one_f_one_b, fill_drain)
   assert one_f_one_b <= 1.2 * one_f_one_b_few, (one_f_one_b, one_f_one_b_few)
+
+
+@pytest.mark.parametrize('path', ['forward_backward', 'tape'])
+def testADeepCellsBackwardHoldsOneGradientSum(path):
+  """Weights, their gradient sum and about one layer's fresh gradient: the sum is added
+  in place (a sum passed along as a value held the old and the new sum at once)."""
+  num_layers, rows = 16, 16
+  live_before = tf.config.experimental.get_memory_info('CPU:0')['current']
+  cells = gpipe.CellsFromEnds([_Res.Params().Set(name=f'layer{i}', dim=MEM_DIM, hidden=MEM_HIDDEN)
+                               for i in range(num_layers)], [num_layers])
+  pipe = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells,
+                                            num_micro_batches=4).Instantiate()
+  x = tf.random.stateless_normal([rows, MEM_DIM], [3, 4])
+
+  @tf.function
+  def Step():
+    if path == 'forward_backward':
+      return pipe.ForwardBackward(pipe.theta, x, _Loss)[1]
+    with tf.GradientTape() as tape:
+      loss = _Loss(pipe(x))
+    return tape.gradient(loss, pipe.trainable_variables)
+
+  Step()
+  tf.config.experimental.reset_memory_stats('CPU:0')
+  tf.nest.map_structure(lambda t: t.numpy(), Step())
+  peak = tf.config.experimental.get_memory_info('CPU:0')['peak'] - live_before
+  weights = 4 * sum(int(tf.size(v)) for v in pipe.trainable_variables)
+  layer = weights // num_layers
+  activations = 4 * rows * (MEM_DIM + MEM_HIDDEN) * num_layers
+  assert peak <= 2 * weights + 2 * layer + activations, peak / weights
+
+
+def testGradientSumsAreNoPartOfTheModel(tmp_path):
+  pipe = _Pipe(2, 2)
+  names = [v.name for v in pipe.variables]
+  keys = tf.train.list_variables(tf.train.Checkpoint(pipe=pipe).write(str(tmp_path / 'a')))
+  pipe.ForwardBackward(pipe.theta, _Input(), _Loss)
+  assert [v.name for v in pipe.variables] == names
+  assert tf.train.list_variables(tf.train.Checkpoint(pipe=pipe).write(
+      str(tmp_path / 'b'))) == keys
 
 
 # -- conformance: every layer pipelines like its micro-batched plain run ----------------

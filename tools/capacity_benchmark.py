@@ -20,8 +20,8 @@ largest depth under the budget follows from the straight line through them
 
 The batch is large next to the width on purpose: the paper's gain comes from
 activations, which grow with the batch, outweighing weights and gradients,
-which do not (a pipeline keeps the weights, the running gradient sum and one
-micro-batch's gradients).
+which do not (a pipeline keeps the weights, their gradient sum, added to in
+place, and about one layer's fresh gradients).
 """
 
 import json

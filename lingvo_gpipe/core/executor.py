@@ -3,8 +3,9 @@
 One pass of a PipeliningLayer keeps, per replica, a `Pass`: the boundary
 activations waiting for their chunk, forward tapes of micro-batches that are
 not re-materialized, output gradients waiting for their backward, what a
-pending weight gradient W needs, and each chunk's running sum of weight
-gradients. Each action kind has one code path:
+pending weight gradient W needs, and the token of each chunk's last add to its
+running sum of weight gradients (a GradientSum, added to in place). Each action
+kind has one code path:
 
   F(m, c)   chunk c's forward on micro-batch m, handed to chunk c+1;
   L(m)      the loss of micro-batch m (or of the whole batch) and its gradient,
@@ -73,9 +74,51 @@ def _Tokens(structure):
   return [x for x in tf.nest.flatten(structure) if isinstance(x, tf.Tensor)]
 
 
-def _Accumulate(total, grads):
-  """The running sum of a chunk's weight gradients (None before the first)."""
-  return grads if total is None else tf.nest.map_structure(tf.add, total, grads)
+class GradientSum:
+  """A chunk's running sum of weight gradients, in variables updated in place.
+
+  A sum passed along as a value (`total + grads`) holds the old sum, the new
+  one and the micro-batch's gradients at once: three copies of the chunk's
+  weights. Added in place, one tensor as soon as the backward makes it, the
+  sum is one copy beside the gradients not yet added. The variables are made
+  once, on the chunk's device, outside the model: not trainable, not saved.
+  They keep their memory between passes; a read of the sum stays what it was
+  when the next pass writes (TensorFlow copies a variable read elsewhere first).
+  """
+
+  def __init__(self, device):
+    self._device = device
+    self._sums = None
+
+  def Variables(self, theta):
+    """The sum's variables, shaped like theta (made on first use: the caller of a tf.function
+    that adds makes them, as one made while tracing would make it trace again)."""
+    if self._sums is None:
+      with tf.init_scope(), tf.device(self._device):
+        self._sums = [tf.Variable(tf.zeros(x.shape, x.dtype), trainable=False, name='grad_sum')
+                      for x in tf.nest.flatten(theta)]
+    return self._sums
+
+  def Add(self, theta, grads, first):
+    """Adds `grads` (the first of a pass replaces the last pass's sum); returns a token that
+    exists once they are added."""
+    update = 'assign' if first else 'assign_add'
+    ops = [getattr(s, update)(g, read_value=False)
+           for s, g in zip(self.Variables(theta), tf.nest.flatten(grads))]
+    with tf.control_dependencies([op for op in ops if op is not None]):
+      return tf.constant(True)
+
+  def Read(self, theta, token):
+    """The sum, shaped like theta, once the add that made `token` is done."""
+    with tf.control_dependencies(_Tokens(token)):
+      return tf.nest.pack_sequence_as(theta, [s.read_value() for s in self.Variables(theta)])
+
+
+def _Accumulate(total, theta, grads, added):
+  """Adds a chunk's weight gradients to its GradientSum `total`, after the add that made the
+  token `added` (None before the pass's first); returns the token of this add."""
+  with tf.control_dependencies(_Tokens(added)):
+    return total.Add(theta, grads, first=added is None)
 
 
 def _Watch(tape, theta, args):
@@ -179,9 +222,10 @@ class CellFunctions:
   calls back before it optimizes the graph. Where the micro-batch sits in the
   batch and the step are tensor arguments, so one trace serves every
   micro-batch; batch-norm statistics come back keyed by layer path, so no trace
-  leaves state behind that another trace's calls would rely on. The first
-  backward of a pass has no weight-gradient sum to add to: it is a function of
-  its own, so neither function is traced twice (None, then sums).
+  leaves state behind that another trace's calls would rely on. The backward
+  adds the weight gradients to the chunk's `grad_sum` in place; the first of a
+  pass replaces the sum instead: it is a function of its own, so neither
+  function is traced twice (None, then a token).
   """
 
   def __init__(self, layer, chunk, device):
@@ -193,6 +237,7 @@ class CellFunctions:
     self._forward = py_utils.DistinctFunction(self._Forward, **options)
     self._backward = py_utils.DistinctFunction(self._Backward, **options)
     self._first_backward = py_utils.DistinctFunction(self._FirstBackward, **options)
+    self.grad_sum = GradientSum(device)
 
   def _Forward(self, theta, args, where, training):
     updates = []
@@ -203,14 +248,14 @@ class CellFunctions:
       stats.setdefault(layer.path, []).append(layer_stats)
     return out, acts, stats
 
-  def _Backward(self, theta, args, grads_in, theta_grads, where, training, clock):
+  def _Backward(self, theta, args, grads_in, added, where, training, clock):
     with tf.device(self._device), _Context(self._layer, where, training, []):
       with tf.GradientTape(watch_accessed_variables=False) as tape:
         _Watch(tape, theta, args)
         targets = self._layer.CellFProp(self._chunk, theta, args)
       recomputed = None if clock is None else Stamp(clock, targets)
       d_args, d_theta = _CellGradients(tape, targets, grads_in, args, theta)
-      return d_args, _Accumulate(theta_grads, d_theta), recomputed
+      return d_args, _Accumulate(self.grad_sum, theta, d_theta, added), recomputed
 
   def _FirstBackward(self, theta, args, grads_in, where, training, clock):
     return self._Backward(theta, args, grads_in, None, where, training, clock)
@@ -224,13 +269,15 @@ class CellFunctions:
     by_path = self._layer.cell[self._chunk].LayersByPath()
     return out, acts, [(by_path[path], s) for path in sorted(stats) for s in stats[path]]
 
-  def Backward(self, theta, args, grads_in, theta_grads, where, training, clock=None):
-    """(input grads, theta_grads + this micro-batch's theta grads, the time the recompute
-    ended if a clock is given) of the chunk; the sum happens inside the call."""
+  def Backward(self, theta, args, grads_in, added, where, training, clock=None):
+    """(input grads, the token of adding the theta grads to grad_sum, the time the recompute
+    ended if a clock is given) of the chunk; `added` is the token of the pass's last add
+    (None: this is its first)."""
     where = _Variables(where)
-    if theta_grads is None:
+    self.grad_sum.Variables(theta)
+    if added is None:
       return self._first_backward(theta, args, grads_in, where, training, clock)
-    return self._backward(theta, args, grads_in, theta_grads, where, training, clock)
+    return self._backward(theta, args, grads_in, added, where, training, clock)
 
 
 def _Variables(where):
@@ -296,6 +343,8 @@ class Pass:
     self.out_grads = {}
     self.act_grads = {}
     self.input_grads = {}
+    # Per chunk, the token of its last weight-gradient add (None before the first): the sum
+    # itself is in the chunk's GradientSum (ThetaGrads reads it).
     self.theta_grads = [None] * self.num_chunks
     self.tokens = [[] for _ in self.devices]
     self.updates = []
@@ -412,7 +461,8 @@ class Pass:
     if (m, c) in self.tapes:
       tape, args, targets, _, grads_in, start = self._FromForwardTape(device, m, c, grads_in)
       d_args, d_theta = _CellGradients(tape, targets, grads_in, args, self.thetas[c])
-      self.theta_grads[c] = _Accumulate(self.theta_grads[c], d_theta)
+      self.theta_grads[c] = _Accumulate(self.functions[c].grad_sum, self.thetas[c], d_theta,
+                                        self.theta_grads[c])
       recomputed = None
     else:
       waits = self.tokens[device] + [g for g in tf.nest.flatten(grads_in) if g is not None]
@@ -454,8 +504,14 @@ class Pass:
     # Gradient ops are named after the forward they differentiate (B's recompute): named
     # here too, W's outputs show in graphs and traces as W's.
     d_theta = tf.nest.map_structure(tf.identity, d_theta)
-    self.theta_grads[c] = _Accumulate(self.theta_grads[c], d_theta)
+    self.theta_grads[c] = _Accumulate(self.functions[c].grad_sum, self.thetas[c], d_theta,
+                                      self.theta_grads[c])
     return self._End(device, action, start, self.theta_grads[c])
+
+  def ThetaGrads(self):
+    """Per chunk, the sum of its weight gradients over the micro-batches."""
+    return [self.functions[c].grad_sum.Read(self.thetas[c], added)
+            for c, added in enumerate(self.theta_grads)]
 
   def MergedOutputs(self):
     """(outputs, fetched activations) of the whole batch."""
@@ -556,12 +612,13 @@ class Replicas:
   def theta_grads(self):
     """Per chunk, the weight gradients summed over replicas on replica 0's device."""
     if len(self.passes) == 1:
-      return self.passes[0].theta_grads
+      return self.passes[0].ThetaGrads()
+    per_replica = [one.ThetaGrads() for one in self.passes]
     sums = []
     for c, device in enumerate(self._layer.ReplicaDevices(0)):
       with tf.device(device):
         sums.append(tf.nest.map_structure(lambda *g: tf.add_n(list(g)),
-                                          *[one.theta_grads[c] for one in self.passes]))
+                                          *[grads[c] for grads in per_replica]))
     return sums
 
   @property

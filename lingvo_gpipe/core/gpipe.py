@@ -13,8 +13,9 @@ into M micro-batches. One micro-batch's path through a training step:
   4. backward: chunk c re-runs its forward on the kept input under a local tape
      and takes the gradients of its input (B) and weights (W), fused (BW) or
      split so that W can fill the pipeline's bubbles;
-  5. accumulation: the weight gradient is added to the chunk's running sum at
-     once, so no more than one micro-batch's weight gradient per chunk exists;
+  5. accumulation: each weight gradient is added in place to the chunk's
+     running sum (executor.GradientSum) as soon as the backward makes it, so
+     beside the sum about one layer's fresh gradient exists, not a second sum;
   6. reassembly: outputs and input gradients are concatenated back.
 
 Which action runs when is data (schedule.py: print(pipe.GetSchedule(batch)));
