@@ -41,6 +41,7 @@ from lingvo_gpipe import base_runner
 from lingvo_gpipe import checkpoint_files
 from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import learner as learner_lib
+from lingvo_gpipe.core import executor
 from lingvo_gpipe.core import metrics as metrics_lib
 from lingvo_gpipe.core import py_utils
 
@@ -117,11 +118,18 @@ def RegistryInputFn(key, dataset, model_params_override=''):
 
 
 class _VariableStore(tf.Module):
-  """The model's variables by name: created by the first trace of model_fn, then reused."""
+  """The model's variables by name: created by the first trace of model_fn, then reused.
+
+  A pipeline's scratch variables (executor.SCRATCH_SCOPE: gradient sums, clocks) are
+  reused by name too, but are not the model's: not in `variables`, never saved.
+  """
+
+  _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {'_scratch'}
 
   def __init__(self):
     super().__init__(name='model')
     self._by_name = {}
+    self._scratch = {}
 
   @property
   def empty(self):
@@ -134,6 +142,10 @@ class _VariableStore(tf.Module):
 
     def Creator(next_creator, **kwargs):
       name = kwargs.get('name')
+      if name and name.startswith(executor.SCRATCH_SCOPE + '/'):
+        if name not in self._scratch:
+          self._scratch[name] = next_creator(**kwargs)
+        return self._scratch[name]
       if not name:
         raise base_runner.UserError('model_fn created a tf.Variable without a name; the '
                                     'Estimator reuses variables by name (BaseLayer names them).')

@@ -40,6 +40,11 @@ from lingvo_gpipe.core import microbatch
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import schedule as schedule_lib
 
+# The scope of the variables the executor makes for itself (gradient sums, clocks): not
+# the model's and never saved; a runner that manages variables by name (estimator.py)
+# leaves them alone.
+SCRATCH_SCOPE = 'pipeline_scratch'
+
 F, B, W, BW, L = (schedule_lib.FORWARD, schedule_lib.INPUT_GRAD, schedule_lib.WEIGHT_GRAD,
                   schedule_lib.BACKWARD, schedule_lib.LOSS)
 
@@ -86,8 +91,9 @@ class GradientSum:
   when the next pass writes (TensorFlow copies a variable read elsewhere first).
   """
 
-  def __init__(self, device):
+  def __init__(self, device, name):
     self._device = device
+    self._name = name  # Unique per pipeline, replica and chunk.
     self._sums = None
 
   def Variables(self, theta):
@@ -95,8 +101,9 @@ class GradientSum:
     that adds makes them, as one made while tracing would make it trace again)."""
     if self._sums is None:
       with tf.init_scope(), tf.device(self._device):
-        self._sums = [tf.Variable(tf.zeros(x.shape, x.dtype), trainable=False, name='grad_sum')
-                      for x in tf.nest.flatten(theta)]
+        self._sums = [tf.Variable(tf.zeros(x.shape, x.dtype), trainable=False,
+                                  name=f'{SCRATCH_SCOPE}/{self._name}/grad_sum{i}')
+                      for i, x in enumerate(tf.nest.flatten(theta))]
     return self._sums
 
   def Add(self, theta, grads, first):
@@ -174,14 +181,16 @@ def Stamp(clock, structure):
 class DeviceClocks:
   """One variable per device for its time stamps (see _Now), made on first use."""
 
-  def __init__(self, devices):
+  def __init__(self, devices, name):
     self._devices = list(devices)
+    self._name = name  # Unique per pipeline.
     self._clocks = {}
 
   def __getitem__(self, device):
     if device not in self._clocks:
       with tf.init_scope(), tf.device(self._devices[device]):
-        self._clocks[device] = tf.Variable(0.0, trainable=False, name=f'clock{device}')
+        self._clocks[device] = tf.Variable(0.0, trainable=False,
+                                          name=f'{SCRATCH_SCOPE}/{self._name}/clock{device}')
     return self._clocks[device]
 
 
@@ -228,7 +237,7 @@ class CellFunctions:
   function is traced twice (None, then a token).
   """
 
-  def __init__(self, layer, chunk, device):
+  def __init__(self, layer, chunk, device, replica=0):
     self._layer = layer
     self._chunk = chunk
     self._device = device
@@ -237,7 +246,7 @@ class CellFunctions:
     self._forward = py_utils.DistinctFunction(self._Forward, **options)
     self._backward = py_utils.DistinctFunction(self._Backward, **options)
     self._first_backward = py_utils.DistinctFunction(self._FirstBackward, **options)
-    self.grad_sum = GradientSum(device)
+    self.grad_sum = GradientSum(device, f'{layer.path}/replica{replica}/chunk{chunk}')
 
   def _Forward(self, theta, args, where, training):
     updates = []
@@ -274,7 +283,6 @@ class CellFunctions:
     ended if a clock is given) of the chunk; `added` is the token of the pass's last add
     (None: this is its first)."""
     where = _Variables(where)
-    self.grad_sum.Variables(theta)
     if added is None:
       return self._first_backward(theta, args, grads_in, where, training, clock)
     return self._backward(theta, args, grads_in, added, where, training, clock)
@@ -348,6 +356,11 @@ class Pass:
     self.theta_grads = [None] * self.num_chunks
     self.tokens = [[] for _ in self.devices]
     self.updates = []
+    if keep_inputs:
+      # Made now, not by the first backward: a backward may run where no variable can be
+      # made (a tape's gradient, in a caller's function traced again).
+      for function, theta in zip(self.functions, thetas):
+        function.grad_sum.Variables(theta)
     self._handlers = {F: self._Forward, B: self._InputGrad, W: self._WeightGrad,
                       BW: self._Backward}
 

@@ -156,9 +156,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     self.CreateChildren('before', p.before_tpl, devices=[self._devices[0]] * len(p.before_tpl))
     self.CreateChildren('cell', remat_lib.PolicyCells(p.cell_tpl, p.cell_remat_policy, self.path),
                         devices=self.ReplicaDevices(0))
-    self._cell_functions = [[executor.CellFunctions(self, c, device) for c, device in
+    self._cell_functions = [[executor.CellFunctions(self, c, device, r) for c, device in
                              enumerate(self.ReplicaDevices(r))] for r in range(p.num_replicas)]
-    self._clocks = executor.DeviceClocks(self._devices[:self.num_stages])
+    self._clocks = executor.DeviceClocks(self._devices[:self.num_stages], self.path)
 
   @property
   def devices(self):
