@@ -12,11 +12,20 @@ from lingvo_gpipe.core import py_utils
 DIM = 8
 
 
+class _Pair(base_layer.BaseLayer):
+  """x @ a + tanh(x @ b) of a theta its caller hands it: no variables of its own."""
+
+  def FProp(self, theta, x):
+    theta = self.ToFPropDtype(theta)
+    return x @ theta.a + tf.tanh(x @ theta.b)
+
+
 class _Tied(base_layer.BaseLayer):
   """Weights used every way a split backward must get right: an embedding handed to a
   child as a transposed theta, a child's weight read in this layer's own ops, a child
   called twice, a child that passes its input through (dropout that keeps everything),
-  an output also used inside (two outputs, or their sum), and a float keyword input."""
+  an output also used inside (two outputs, or their sum), a float keyword input, and one
+  weight handed to a child twice in one theta."""
 
   @classmethod
   def Params(cls):
@@ -32,9 +41,11 @@ class _Tied(base_layer.BaseLayer):
     self.CreateChild('out', layers.ProjectionLayer.Params().Set(
         input_dim=DIM, output_dim=DIM, has_bias=False))
     self.CreateChild('keep', layers.DropoutLayer.Params().Set(keep_prob=1.0))
+    self.CreateChild('pair', _Pair.Params())
 
   def FProp(self, theta, x, scale=2.0):
     h = self.keep.FProp(theta.keep, x @ theta.emb)
+    h = self.pair.FProp(py_utils.NestedMap(a=theta.emb, b=theta.emb), h)
     h = self.proj.FProp(theta.proj, h) + self.proj.FProp(theta.proj, 0.5 * h)
     h = h * scale + tf.sin(x @ self.ToFPropDtype(theta.proj.w))
     tied = py_utils.NestedMap(w=tf.transpose(tf.cast(theta.emb, tf.float32)))
