@@ -105,10 +105,37 @@ def testPeakActivationMemory():
   np.testing.assert_allclose(got.peak_activation_bytes, [45, 65, 65, 45])
   fill_drain = simulator.Simulate(simulator.Orders('gpipe', 4, 8), activation_bytes=10)
   np.testing.assert_allclose(fill_drain.peak_activation_bytes, [80] * 4)
-  zb = simulator.Simulate(simulator.Orders('zb_h1', 4, 8), activation_bytes=10,
-                          weight_grad_bytes=3)
-  np.testing.assert_allclose(zb.peak_activation_bytes,
-                             zb.max_in_flight * 10 + zb.max_pending_weight_grads * 3)
+
+
+def _PeakWalk(order, activation_bytes, weight_grad_bytes):
+  """The most a device's order holds at once, walked action by action."""
+  held = pending = peak = 0
+  for a in order:
+    held += {'F': 1, 'B': -1, 'BW': -1}.get(a.kind, 0)
+    pending += {'B': 1, 'W': -1}.get(a.kind, 0)
+    peak = max(peak, held * activation_bytes + pending * weight_grad_bytes)
+  return peak
+
+
+@pytest.mark.parametrize('name,v', NAMED)
+@pytest.mark.parametrize('m', [1, 3, 8, 32])
+def testPeakActivationMemoryIsWhatIsHeldAtOnce(name, v, m):
+  sched = schedule.Schedule(name, 4, m, v)
+  got = simulator.Simulate(simulator.Orders(name, 4, m, v), activation_bytes=[10, 20, 30, 40],
+                           weight_grad_bytes=[3, 5, 7, 9])
+  want = [_PeakWalk(order, a, w) for order, a, w in zip(sched.orders, [10, 20, 30, 40],
+                                                          [3, 5, 7, 9])]
+  np.testing.assert_allclose(got.peak_activation_bytes, want)
+
+
+def testZeroBubbleHeldAndPendingPeakApart():
+  """ZB-H1's first device holds at most 7 micro-batch chunks at once (K=4), not its most
+  held (4) plus its most pending (4), whatever M."""
+  for m in (8, 16, 32, 64):
+    got = simulator.Simulate(simulator.Orders('zb_h1', 4, m), activation_bytes=1,
+                             weight_grad_bytes=1)
+    assert got.max_in_flight[0] == 4 and got.max_pending_weight_grads[0] == 4
+    assert got.peak_activation_bytes.tolist() == [7, 6, 5, 4]
 
 
 def testLargePipelineInSeconds():

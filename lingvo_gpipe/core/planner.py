@@ -63,10 +63,15 @@ PLANNABLE_SCHEDULES = ('gpipe', '1f1b', 'zb_h1', 'zb_h2')
 
 
 def _Held(schedule, num_stages, num_micro_batches):
-  """(most micro-batches any stage holds between forward and input gradient, most pending
-  weight gradients) under `schedule`."""
-  orders = simulator.Orders(schedule, num_stages, num_micro_batches)
-  return int(orders.MaxInFlight().max()), int(orders.MaxPendingWeightGrads().max())
+  """[P, 2]: each (micro-batches held between forward and input gradient, pending weight
+  gradients) that a stage holds at once under `schedule`, of every stage after each action,
+  those no other pair exceeds in both. A stage's memory peaks at one of them: the two
+  counts peak apart (ZB-H1, K=4: 7 at once, not 4 + 4)."""
+  held, pending = simulator.Orders(schedule, num_stages, num_micro_batches).HeldCounts()
+  pairs = np.unique(np.stack([held.ravel(), pending.ravel()], axis=1), axis=0)
+  dominated = [any(o[0] >= p[0] and o[1] >= p[1] and tuple(o) != tuple(p) for o in pairs)
+               for p in pairs]
+  return pairs[~np.array(dominated)]
 
 
 def _Prefix(values):
@@ -88,7 +93,7 @@ class _StageModel:
     self._params = _Prefix([p.param_bytes for p in profiles])
     self._acts = _Prefix([p.activation_bytes for p in profiles])
     self._inputs = np.array([p.input_bytes for p in profiles], np.float64)
-    self._in_flight, self._pending = held
+    self._held = held
     self._remat = remat
     self._model_factor = 2 + optimizer_slots
     self._overhead = action_overhead_s
@@ -129,16 +134,21 @@ class _StageModel:
 
     return np.vectorize(One, otypes=[np.float64, np.float64])(j)
 
+  def _Activations(self, in_flight, pending, inputs, kept):
+    """Bytes of `in_flight` forwarded micro-batches and `pending` Ws (a pending W holds
+    what its B recomputed)."""
+    if self._remat == 'never':
+      held = in_flight * kept
+    elif self._remat == 'always':
+      held = in_flight * inputs + kept
+    else:  # except_last: the last micro-batch keeps its activations.
+      held = (in_flight - 1) * inputs + 2 * kept
+    return held + pending * kept
+
   def Memory(self, j, i):
     kept, running = self._Kept(j, i)
     inputs = self._inputs[np.asarray(j)]
-    if self._remat == 'never':
-      activations = self._in_flight * kept
-    elif self._remat == 'always':
-      activations = self._in_flight * inputs + kept
-    else:  # except_last: the last micro-batch keeps its activations.
-      activations = (self._in_flight - 1) * inputs + 2 * kept
-    activations = activations + self._pending * kept
+    activations = np.max([self._Activations(h, p, inputs, kept) for h, p in self._held], axis=0)
     return self._model_factor * (self._params[i] - self._params[j]) + activations + running
 
 

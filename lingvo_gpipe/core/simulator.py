@@ -59,11 +59,23 @@ class OrderArrays:
   def num_micro_batches(self):
     return int(self.micro_batch.max()) + 1 if self.micro_batch.size else 0
 
-  def _Peak(self, change):
+  def _Live(self, change):
+    """[K, S]: a count after each action of each device, each kind changing it by change[kind]."""
     live = np.zeros(self.kind.shape, np.int32)
     for kind, delta in change.items():
       live[self.kind == kind] = delta
-    return np.maximum(np.cumsum(live, axis=1).max(axis=1, initial=0), 0)
+    return np.cumsum(live, axis=1)
+
+  def _Peak(self, change):
+    return np.maximum(self._Live(change).max(axis=1, initial=0), 0)
+
+  def HeldCounts(self):
+    """([K, S] micro-batch chunks held between forward and input gradient, [K, S] pending
+    Ws) after each action of each device. A device's memory peaks where their weighted sum
+    does: in ZB-H1 the two maxima do not coincide (K=4: 7 at once on the first device, not
+    4 + 4)."""
+    return (self._Live({FORWARD: 1, INPUT_GRAD: -1, BACKWARD: -1}),
+            self._Live({INPUT_GRAD: 1, WEIGHT_GRAD: -1}))
 
   def MaxInFlight(self):
     """[K]: most micro-batch chunks whose activations a device holds (forwarded, input
@@ -217,8 +229,8 @@ class Prediction:
   busy: [K] time each device computes; idle: [K] step_time - busy.
   max_in_flight: [K] micro-batch chunks a device holds between forward and input gradient.
   max_pending_weight_grads: [K] micro-batch chunks between B and W.
-  peak_activation_bytes: [K] max_in_flight * activation_bytes +
-    max_pending_weight_grads * weight_grad_bytes + step_bytes.
+  peak_activation_bytes: [K] the most, over a device's order, of the chunks it holds x
+    activation_bytes + its pending Ws x weight_grad_bytes, plus step_bytes.
   start, end: [4, C, M] times of every action (kind FORWARD, INPUT_GRAD,
     WEIGHT_GRAD, BACKWARD; chunk; micro-batch), NaN where none ran.
   placement: [C] device of each chunk.
@@ -285,7 +297,10 @@ def Simulate(orders, forward_cost=1.0, backward_cost=1.0, transfer_cost=0.0,
   held = kept if weight_grad_bytes is None else _PerStage(weight_grad_bytes, num_stages,
                                                           'weight_grad_bytes')
   transient = _PerStage(step_bytes, num_stages, 'step_bytes')
-  peak = np.where(orders.length > 0, in_flight * kept + pending * held + transient, 0.0)
+  held_now, pending_now = orders.HeldCounts()
+  at_once = np.maximum((held_now * kept[:, None] + pending_now * held[:, None]).max(
+      axis=1, initial=0), 0)
+  peak = np.where(orders.length > 0, at_once + transient, 0.0)
   return Prediction(step_time=step_time, bubble_fraction=float(bubble), busy=busy,
                     idle=step_time - busy, max_in_flight=in_flight,
                     max_pending_weight_grads=pending, peak_activation_bytes=peak,
