@@ -172,6 +172,19 @@ def testZeroBubbleCountsWhatPendingWeightGradientsHold():
   np.testing.assert_allclose(ofob.Predict().busy, [8 * (2 + 6)] * 2)
 
 
+def testChoosePlanCallsNearlyEqualTimesATieThatTheLeastMemoryWins(monkeypatch):
+  """Within TIE_FRACTION of the fastest (24.5), the least memory wins: 1f1b at M=16 (25.5,
+  28 bytes) over zb_h1 (24.5, 42) once 4% is a tie."""
+  profiles = [profiler.LayerProfile(f'l{i}', 1.0, 2.0, 0, 10, 30) for i in range(4)]
+  monkeypatch.setattr(planner, 'TIE_FRACTION', 0.05)
+  plan, candidates = planner.ChoosePlan(profiles, 2, batch_size=16, profiled_rows=4)
+  assert (plan.num_micro_batches, plan.schedule, plan.remat) == (16, '1f1b', 'never')
+  ties = [c for c in candidates if c['step_time_s'] <= 24.5 * 1.05]
+  assert candidates[:len(ties)] == sorted(ties, key=lambda c: c['memory_bytes'])
+  rest = [c['step_time_s'] for c in candidates[len(ties):]]
+  assert rest == sorted(rest)
+
+
 def testChoosePlanTakesTheFastestCandidateThatFits():
   profiles = [profiler.LayerProfile(f'l{i}', 1.0, 2.0, 0, 10, 30) for i in range(4)]
   plan, candidates = planner.ChoosePlan(profiles, 2, batch_size=16, profiled_rows=4)
@@ -179,6 +192,9 @@ def testChoosePlanTakesTheFastestCandidateThatFits():
   assert (plan.num_micro_batches, plan.schedule, plan.remat) == (
       candidates[0]['num_micro_batches'], candidates[0]['schedule'], candidates[0]['remat'])
   assert candidates[0]['step_time_s'] == min(c['step_time_s'] for c in candidates)
+  # zb_h2 ties zb_h1 at M=16 with more memory.
+  assert (plan.schedule, candidates[1]['schedule']) == ('zb_h1', 'zb_h2')
+  assert candidates[1]['step_time_s'] == candidates[0]['step_time_s']
   # Times scale with the micro-batch's rows: M=4 (4 rows each, as profiled) takes the
   # profiles as they are.
   at4 = next(c for c in candidates if (c['num_micro_batches'], c['schedule'], c['remat']) ==

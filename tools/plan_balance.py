@@ -176,14 +176,18 @@ def main(argv):
 
 def _CandidateTable(candidates, cap):
   """The best candidates of --choose, with why each lost to the first."""
+  from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
   best = candidates[0]
+  tie = min(c['step_time_s'] for c in candidates) * (1 + planner.TIE_FRACTION)
 
   def Why(c):
     if c is best:
-      return 'chosen: fastest predicted step that fits'
+      return ('chosen: the fastest predicted step that fits (of those within '
+              f'{planner.TIE_FRACTION:.1%} of it, the least memory)')
     if 'why' in c:
       return 'does not fit the cap'
-    return f"{c['step_time_s'] / best['step_time_s'] - 1:+.1%} step time"
+    slower = f"{c['step_time_s'] / best['step_time_s'] - 1:+.1%} step time"
+    return f'{slower}, a tie: more memory' if c['step_time_s'] <= tie else slower
 
   return bench_utils.MarkdownTable(candidates, [
       ('M', lambda c: c['num_micro_batches']), ('schedule', lambda c: c['schedule']),

@@ -60,6 +60,9 @@ class NoFitError(ValueError):
 
 # Schedules a plan can take: one chunk per device, as the plan's stages are.
 PLANNABLE_SCHEDULES = ('gpipe', '1f1b', 'zb_h1', 'zb_h2')
+# Predicted step times this close to the fastest are a tie, which the least memory wins:
+# profiles differ by more than this from run to run.
+TIE_FRACTION = 0.005
 
 
 def _Held(schedule, num_stages, num_micro_batches):
@@ -346,7 +349,8 @@ def ChoosePlan(profiles, num_stages, batch_size, profiled_rows, memory_cap_bytes
                remat_policies=(remat_lib.NONE,), optimizer_slots=2, glued=(), source='',
                action_overhead_s=0.0):
   """(best Plan, candidates): the split, M, schedule, remat and remat policy with the best
-  predicted step time among those whose every device fits memory_cap_bytes.
+  predicted step time among those whose every device fits memory_cap_bytes; of those
+  within TIE_FRACTION of the fastest, the one needing least memory on its fullest device.
 
   Args:
     profiles: LayerProfiles measured at `profiled_rows` rows per micro-batch.
@@ -361,7 +365,8 @@ def ChoosePlan(profiles, num_stages, batch_size, profiled_rows, memory_cap_bytes
   Returns:
     The best Plan, and every candidate as a dict (num_micro_batches, schedule,
     remat, remat_policy, step_time_s, bubble, memory_bytes of the fullest device,
-    or why=the reason it does not fit), fastest first.
+    or why=the reason it does not fit): the best first, then its ties by memory, then
+    the others fastest first.
 
   Raises:
     NoFitError: if no candidate fits (that of the candidate needing least memory).
@@ -385,9 +390,12 @@ def ChoosePlan(profiles, num_stages, batch_size, profiled_rows, memory_cap_bytes
       candidates.append(dict(key, step_time_s=prediction.step_time,
                              bubble=prediction.bubble_fraction,
                              memory_bytes=max(plan.StageMemory())))
-  candidates.sort(key=lambda c: (c['step_time_s'], c.get('memory_bytes', np.inf)))
   if not plans:
     raise min(errors, key=lambda e: e.need)
+  tie = min(c['step_time_s'] for c in candidates) * (1 + TIE_FRACTION)
+  candidates.sort(key=lambda c: (c['step_time_s'] > tie,
+                                 c.get('memory_bytes', np.inf) if c['step_time_s'] <= tie
+                                 else c['step_time_s'], c['step_time_s']))
   best = candidates[0]
   return plans[(best['num_micro_batches'], best['schedule'], best['remat'],
                 best['remat_policy'])], candidates
