@@ -181,7 +181,7 @@ def testPlanBalanceChoosesMScheduleAndRemat(tmp_path):
                           '--repeats=1', '--choose', '--top=3', f'--out={tmp_path}/plan.json'))
   head = '| M | schedule | remat | remat policy | predicted step ms |'
   rows = out.split(head)[1].strip().splitlines()[2:5]  # After the header's rest and ---.
-  assert len(rows) == 3 and 'chosen: fastest predicted step that fits' in rows[0], out
+  assert len(rows) == 3 and 'chosen: the fastest predicted step that fits' in rows[0], out
   plan = planner.LoadPlan(str(tmp_path / 'plan.json'))
   chosen = [c.strip() for c in rows[0].strip('|').split('|')]
   assert [str(plan.num_micro_batches), plan.schedule, plan.remat] == chosen[:3]
