@@ -59,6 +59,7 @@ from lingvo_gpipe import pipeline_check
 from lingvo_gpipe import preemption
 from lingvo_gpipe import run_lock
 from lingvo_gpipe.core import gpipe
+from lingvo_gpipe.core import memory_stats
 from lingvo_gpipe.core import pipeline_params
 from lingvo_gpipe.core import planner
 from lingvo_gpipe.core import py_utils
@@ -104,6 +105,10 @@ flags.DEFINE_integer('worker_intra_op_threads', 0,
                      "--job=worker: the server's intra-op threads (0: TensorFlow's default).")
 flags.DEFINE_integer('worker_inter_op_threads', 0,
                      "--job=worker: the server's inter-op threads (0: TensorFlow's default).")
+flags.DEFINE_float('worker_memory_log_secs', 0.0,
+                   "--job=worker: if > 0, log the allocator's current and peak bytes this often "
+                   '(when they changed): a worker is one device with its own allocator '
+                   '(tools/memory_curves.py --per_device reads it).')
 flags.DEFINE_integer('num_cpu_devices', None,
                      'Logical CPU devices of a local run; default: worker_replicas x one per '
                      'pipeline stage of the model (4 if the params name no stages).')
@@ -445,8 +450,13 @@ def _NewCheckpoints(checkpointer, timeout_secs, poll_secs=1.0):
 
 def RunWorker(cluster):
   """Serves this process's devices as task cluster.task of the worker job, until killed."""
+  if FLAGS.worker_memory_log_secs > 0:
+    memory_stats.EnableStats()
   config = cluster_lib.ServerConfig(FLAGS.worker_intra_op_threads, FLAGS.worker_inter_op_threads)
-  cluster_lib.StartServer(cluster.spec, cluster_lib.WORKER_JOB, cluster.task, config).join()
+  server = cluster_lib.StartServer(cluster.spec, cluster_lib.WORKER_JOB, cluster.task, config)
+  if FLAGS.worker_memory_log_secs > 0:
+    memory_stats.LogForever(FLAGS.worker_memory_log_secs)
+  server.join()
 
 
 def RunClusterClient(model_params, cluster, dataset_name):

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import tensorflow as tf
 
 from lingvo_gpipe.core import memory_stats
@@ -34,3 +35,27 @@ def testWithoutStatisticsTheErrorSaysHowToTurnThemOn():
       'RuntimeError: The allocator of CPU:0 keeps no statistics, so peak memory cannot be '
       'measured: call lingvo_gpipe.core.memory_stats.EnableStats() (or set '
       'TF_CPU_ALLOCATOR_USE_BFC=true) before TensorFlow runs its first op.')
+
+
+def testLogForeverLogsWhatLastLoggedReads():
+  """A worker's memory log: the allocator's current and peak bytes, read back from the log."""
+  code = ('import threading, time\n'
+          'from absl import logging\n'
+          'import tensorflow as tf\n'
+          'from lingvo_gpipe.core import memory_stats\n'
+          'kept = tf.ones([1024, 1024])\n'  # 4 MiB live.
+          'tf.reduce_sum(tf.ones([2048, 1024]) * 2.0).numpy()\n'  # 8 MiB more, freed.
+          'logging.set_verbosity(logging.INFO)\n'  # As in a worker run by the trainer.
+          'threading.Thread(target=memory_stats.LogForever, args=(0.01,), daemon=True).start()\n'
+          'time.sleep(0.5)\n')
+  env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true', TF_CPP_MIN_LOG_LEVEL='2')
+  proc = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
+                        timeout=120, check=True)
+  current, peak = memory_stats.LastLogged(proc.stderr)
+  assert 4 * 2**20 <= current < 8 * 2**20
+  assert current + 8 * 2**20 <= peak
+
+
+def testLastLoggedNamesTheMissingLine():
+  with pytest.raises(ValueError, match="No 'allocator bytes:' line.*worker_memory_log_secs"):
+    memory_stats.LastLogged('I1126 worker task 0 serving\n')

@@ -119,6 +119,22 @@ def testMemoryCurves(runs):
   assert 'fit_mb' not in every and len(table) == 5
 
 
+def testMemoryCurvesPerDeviceMeasuresEachWorkerOnItsOwn(tmp_path):
+  """--per_device: each stage a worker process whose allocator logs its peak."""
+  out, _ = _Finish(_Start('memory_curves', '--schedules=zb_h1', '--per_device', '--layers=2',
+                          '--width=32', '--hidden=64', '--fixed_stages=2', '--micro_batches=2',
+                          '--micro_batch_rows=8', '--steps=1', '--remat=never',
+                          f'--json_out={tmp_path}/m.json'))
+  with open(tmp_path / 'm.json') as f:
+    plain, point = json.load(f)['points']
+  assert plain['sweep'] == 'plain' and point['per_device']
+  assert len(point['device_peaks_mb']) == 2 and min(point['device_peaks_mb']) > 0
+  assert point['peak_mb'] == max(point['device_peaks_mb'])
+  # ZB-H1, K=2, M=2: device 0 holds F0 and F1 before B0; device 1 holds F1 and B0's pending W.
+  assert point['device_at_once'] == [2, 2]
+  assert '| zb_h1 | 2 |' in out and 'each device MB' in out
+
+
 def testCapacityBenchmark(runs):
   summary, table, _ = _Output(runs, 'capacity_benchmark')
   naive, pipeline, every_layer = summary['results']

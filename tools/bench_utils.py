@@ -16,6 +16,7 @@ BuildStep makes the training step of the configuration:
     GradientTape) or 'forward_backward' (ForwardBackward; 1F1B always).
 """
 
+import contextlib
 import json
 import os
 import statistics
@@ -137,11 +138,13 @@ def _Run(tf, body):
   return lambda: _Fetch(tf, step())
 
 
-def _BuiltInStep(tf, config):
+def _BuiltInStep(tf, config, devices=None):
+  from lingvo_gpipe import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
   layer_params, shape = LayerParams(config)
-  x = tf.random.stateless_normal(shape, [1, 2])
+  with tf.device(devices[0]) if devices else contextlib.nullcontext():
+    x = tf.random.stateless_normal(shape, [1, 2])
 
   def Loss(y):
     return tf.reduce_mean(tf.square(y))
@@ -156,7 +159,7 @@ def _BuiltInStep(tf, config):
     model = gpipe.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=cells, num_micro_batches=config['micro_batches'],
         remat=config['remat'], schedule=config['schedule'], virtual_stages=v,
-        cell_remat_policy=config.get('remat_policy', 'none')).Instantiate()
+        cell_remat_policy=config.get('remat_policy', 'none'), devices=devices).Instantiate()
     use_tape = config['path'] == 'fprop' and config['schedule'] == 'gpipe'
 
   def Body():
@@ -164,7 +167,9 @@ def _BuiltInStep(tf, config):
       with tf.GradientTape() as tape:
         loss = Loss(model(x))
       return loss, tape.gradient(loss, model.trainable_variables)
-    return model.ForwardBackward(model.theta, x, Loss)
+    # On a cluster, glue ops go where their inputs are, not to this client.
+    with cluster_lib.ColocatedWithInputs() if devices else contextlib.nullcontext():
+      return model.ForwardBackward(model.theta, x, Loss)
 
   params = sum(int(tf.size(v)) for v in model.trainable_variables)
   return Step(_Run(tf, Body), MeasuredStep(tf, Body) if config['stages'] else None, params,
@@ -192,10 +197,13 @@ def _RegisteredStep(tf, config):
               params.input.batch_size)
 
 
-def BuildStep(tf, config):
-  """The Step of a configuration (see the module docstring)."""
+def BuildStep(tf, config, devices=None):
+  """The Step of a configuration (see the module docstring); a built-in model's pipeline on
+  `devices` (e.g. a cluster's) if given."""
   if config['model'] in ('mlp', 'transformer'):
-    return _BuiltInStep(tf, config)
+    return _BuiltInStep(tf, config, devices)
+  if devices:
+    raise ValueError(f"devices are for the built-in models, not {config['model']!r}.")
   return _RegisteredStep(tf, config)
 
 

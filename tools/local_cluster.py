@@ -66,16 +66,18 @@ class LocalCluster:
     intra_op_threads, inter_op_threads: each worker's thread pools (0: default).
     log_dir: where worker i writes worker<i>.log; default a new temporary directory.
     ready_timeout_secs: how long Start waits for the workers to answer.
+    worker_args: more trainer flags for every worker (e.g. --worker_memory_log_secs=0.1).
   """
 
   def __init__(self, num_workers, cpus=None, intra_op_threads=0, inter_op_threads=0,
-               log_dir=None, ready_timeout_secs=120):
+               log_dir=None, ready_timeout_secs=120, worker_args=()):
     if num_workers < 1:
       raise ValueError(f'num_workers must be >= 1, got {num_workers}.')
     if cpus is not None and len(cpus) != num_workers:
       raise ValueError(f'cpus {cpus} must give one core per worker ({num_workers}).')
     self._cpus = cpus
     self._threads = (intra_op_threads, inter_op_threads)
+    self._worker_args = list(worker_args)
     self._log_dir = log_dir or tempfile.mkdtemp(prefix='local_cluster_')
     self._ready_timeout = ready_timeout_secs
     self.addresses = [f'{_HOST}:{port}' for port in FreePorts(num_workers)]
@@ -110,7 +112,7 @@ class LocalCluster:
     command = [sys.executable, '-m', 'lingvo_gpipe.trainer', '--job=worker', f'--task={task}',
                f'--cluster_spec={self.spec_text}',
                f'--worker_intra_op_threads={self._threads[0]}',
-               f'--worker_inter_op_threads={self._threads[1]}']
+               f'--worker_inter_op_threads={self._threads[1]}', *self._worker_args]
     if self._cpus is not None:
       command = ['taskset', '-c', str(self._cpus[task])] + command
     with open(self.LogPath(task), 'a') as log:
@@ -166,15 +168,21 @@ class LocalCluster:
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer('num_workers', 2, 'Worker processes.')
-flags.DEFINE_list('cpus', None, 'Optional core per worker, e.g. 0,1 (taskset -c).')
-flags.DEFINE_integer('intra_op_threads', 0, "Each worker's intra-op threads (0: default).")
-flags.DEFINE_integer('inter_op_threads', 0, "Each worker's inter-op threads (0: default).")
-flags.DEFINE_string('worker_log_dir', None,
-                    'Where worker<i>.log go; default a temporary directory.')
-flags.DEFINE_string('spec_file', None,
-                    'Also write the spec to this file once every worker answers (whole, by a '
-                    'rename), and remove it when the workers stop: a script waits for the file.')
+
+
+def _DefineFlags():
+  """The script's flags, defined only when it runs: tools that import LocalCluster keep
+  their own flags of the same names."""
+  flags.DEFINE_integer('num_workers', 2, 'Worker processes.')
+  flags.DEFINE_list('cpus', None, 'Optional core per worker, e.g. 0,1 (taskset -c).')
+  flags.DEFINE_integer('intra_op_threads', 0, "Each worker's intra-op threads (0: default).")
+  flags.DEFINE_integer('inter_op_threads', 0, "Each worker's inter-op threads (0: default).")
+  flags.DEFINE_string('worker_log_dir', None,
+                      'Where worker<i>.log go; default a temporary directory.')
+  flags.DEFINE_string('spec_file', None,
+                      'Also write the spec to this file once every worker answers (whole, by '
+                      'a rename), and remove it when the workers stop: a script waits for the '
+                      'file.')
 
 
 def _Stop(signum, unused_frame):
@@ -211,4 +219,5 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  _DefineFlags()
   binaries.Run(main)

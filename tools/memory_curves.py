@@ -34,6 +34,7 @@ holds per device is then micro-batches of one size.)
 """
 
 import json
+import time
 
 from absl import flags
 import bench_utils
@@ -66,11 +67,40 @@ flags.DEFINE_list('remat_stages', ['1', '2'], 'K values of the every_N sweep.')
 flags.DEFINE_integer('steps', 2, 'Steps measured per point (the largest peak and the median '
                      'time are kept).')
 flags.DEFINE_integer('inter_op_threads', 1, 'Ops run at once; 1 makes the fit\'s premise hold.')
+flags.DEFINE_bool('per_device', False, 'With --schedules: run each point on K worker '
+                  'processes (tools/local_cluster.py), each one device with its own allocator, '
+                  'and report the fullest device\'s peak (and each device\'s) instead of the '
+                  'peak of K logical devices sharing one.')
 flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
 
 
+def _RunOnWorkers(config):
+  """The point's step on K worker processes, one op at a time each; each worker logs its
+  allocator (trainer --worker_memory_log_secs): per device, its peak over the run above
+  what it holds after it (weights, gradient sums)."""
+  import local_cluster  # pylint: disable=g-import-not-at-top
+  tf = bench_utils.SetUpDevices(1)
+  from lingvo_gpipe import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
+  k, interval = config['stages'], 0.05
+  with local_cluster.LocalCluster(k, intra_op_threads=1,
+                                  inter_op_threads=config['inter_op_threads'],
+                                  worker_args=[f'--worker_memory_log_secs={interval}']) as workers:
+    cluster_lib.Connect(workers.spec, timeout_secs=120)
+    step = bench_utils.BuildStep(tf, config, cluster_lib.PipelineDevices(k))
+    for _ in range(1 + config['steps']):
+      step.run()
+    time.sleep(10 * interval)  # Each worker logs what it holds now.
+    logged = [memory_stats.LastLogged(workers.Log(t)) for t in range(k)]
+  device_peaks = [(peak - current) / 2**20 for current, peak in logged]
+  return dict(config, peak_mb=max(device_peaks), device_peaks_mb=device_peaks,
+              params=step.params)
+
+
 def _RunOne(config):
+  if config.get('per_device'):
+    return _RunOnWorkers(config)
   tf = bench_utils.SetUpDevices(config['stages'], inter_op_threads=config['inter_op_threads'])
   from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
   step = bench_utils.BuildStep(tf, config)
@@ -123,13 +153,15 @@ def Fit(results):
 def _Held(sched, k, m):
   """(micro-batch chunks held between F and B, pending Ws, both at once), each a device's
   most, summed over the K devices. The devices share this machine's allocator: their
-  peaks need not coincide, so the step's peak may stay below the sum."""
+  peaks need not coincide, so the step's peak may stay below the sum. Then each device's
+  most at once."""
   v = bench_utils.VIRTUAL_STAGES.get(sched, 1)
   s = schedule_lib.Schedule(sched, k, m, v)
   at_once = simulator.Simulate(simulator.Orders(sched, k, m, v), activation_bytes=1,
                                weight_grad_bytes=1).peak_activation_bytes
   return (sum(s.MaxInFlight(d) for d in range(k)),
-          sum(s.MaxPendingWeightGrads(d) for d in range(k)), int(at_once.sum()))
+          sum(s.MaxPendingWeightGrads(d) for d in range(k)), int(at_once.sum()),
+          [int(x) for x in at_once])
 
 
 def _ScheduleSweep(base):
@@ -137,7 +169,8 @@ def _ScheduleSweep(base):
   k = FLAGS.fixed_stages
   points = [dict(base, stages=0, micro_batches=1, schedule='gpipe', sweep='plain')] + [
       dict(base, stages=k, micro_batches=int(m), schedule=sched, sweep='schedule',
-           rows=FLAGS.micro_batch_rows * int(m) if FLAGS.micro_batch_rows else base['rows'])
+           rows=FLAGS.micro_batch_rows * int(m) if FLAGS.micro_batch_rows else base['rows'],
+           per_device=FLAGS.per_device)
       for sched in FLAGS.schedules for m in FLAGS.micro_batches]
   results = []
   for i, config in enumerate(points, 1):
@@ -146,17 +179,24 @@ def _ScheduleSweep(base):
                          f"peak {results[-1]['peak_mb']:.1f} MB")
   plain = results[0]
   for r in results[1:]:
-    r['held'], r['pending_w'], r['at_once'] = _Held(r['schedule'], k, r['micro_batches'])
+    r['held'], r['pending_w'], r['at_once'], r['device_at_once'] = _Held(
+        r['schedule'], k, r['micro_batches'])
     first = next(q for q in results[1:] if q['schedule'] == r['schedule'])
     r['vs_first_m'] = r['peak_mb'] / first['peak_mb']
-  table = bench_utils.MarkdownTable(results[1:], [
-      ('schedule', lambda r: r['schedule']), ('M', lambda r: r['micro_batches']),
-      ('peak MB', lambda r: f"{r['peak_mb']:.1f}"),
-      ('rows', lambda r: r['rows']),
-      (f'x M={FLAGS.micro_batches[0]}', lambda r: f"{r['vs_first_m']:.2f}"),
-      ('chunks held (sum over devices)', lambda r: r['held']),
-      ('pending W', lambda r: r['pending_w']),
-      ('held + pending at once', lambda r: r['at_once'])])
+  columns = [('schedule', lambda r: r['schedule']), ('M', lambda r: r['micro_batches']),
+             ('fullest device peak MB' if FLAGS.per_device else 'peak MB',
+              lambda r: f"{r['peak_mb']:.2f}"),
+             ('rows', lambda r: r['rows']),
+             (f'x M={FLAGS.micro_batches[0]}', lambda r: f"{r['vs_first_m']:.2f}")]
+  if FLAGS.per_device:
+    columns += [('each device MB', lambda r: ' / '.join(f'{x:.2f}' for x in r['device_peaks_mb'])),
+                ('held + pending at once, each device',
+                 lambda r: ' / '.join(map(str, r['device_at_once'])))]
+  else:
+    columns += [('chunks held (sum over devices)', lambda r: r['held']),
+                ('pending W', lambda r: r['pending_w']),
+                ('held + pending at once', lambda r: r['at_once'])]
+  table = bench_utils.MarkdownTable(results[1:], columns)
   rows = f'{FLAGS.micro_batch_rows} x M' if FLAGS.micro_batch_rows else FLAGS.rows
   notes = [f"{FLAGS.model}: L={FLAGS.layers}, N={rows}, K={k}, remat {FLAGS.remat}; "
            f"plain model on {plain['rows']} rows {plain['peak_mb']:.1f} MB; load average before {base['load']}, after "

@@ -8,6 +8,7 @@ share the one allocator, so 'CPU:0' sees the whole process.
 """
 
 import os
+import time
 
 import tensorflow as tf
 
@@ -19,15 +20,52 @@ def EnableStats():
   os.environ.setdefault(_ENV, 'true')
 
 
-def PeakBytes(fn, device='CPU:0'):
-  """(fn()'s result, the allocator's peak bytes while fn ran above the bytes live before)."""
+def _Checked(call, device):
+  """call(device), with a clear error when the allocator keeps no statistics."""
   try:
-    tf.config.experimental.reset_memory_stats(device)
+    return call(device)
   except ValueError as e:
     raise RuntimeError(
         f'The allocator of {device} keeps no statistics, so peak memory cannot be measured: '
         f'call lingvo_gpipe.core.memory_stats.EnableStats() (or set {_ENV}=true) before '
         f'TensorFlow runs its first op.') from e
+
+
+def PeakBytes(fn, device='CPU:0'):
+  """(fn()'s result, the allocator's peak bytes while fn ran above the bytes live before)."""
+  _Checked(tf.config.experimental.reset_memory_stats, device)
   live = tf.config.experimental.get_memory_info(device)['current']
   result = fn()
   return result, tf.config.experimental.get_memory_info(device)['peak'] - live
+
+
+# The line a worker logs (LogForever) and LastLogged reads.
+_HEAD = 'allocator bytes:'
+_LOGGED = _HEAD + ' current={current} peak={peak}'
+
+
+def LogForever(interval_secs, device='CPU:0'):
+  """Logs the allocator's current and peak bytes every interval_secs when they changed.
+
+  A worker process serving one pipeline stage has the allocator to itself: its
+  peak is that device's, which logical devices sharing one process cannot show
+  (tools/memory_curves.py --per_device reads the log with LastLogged).
+  """
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  last = None
+  while True:
+    info = _Checked(tf.config.experimental.get_memory_info, device)
+    now = (info['current'], info['peak'])
+    if now != last:
+      logging.info(_LOGGED.format(current=now[0], peak=now[1]))
+      last = now
+    time.sleep(interval_secs)
+
+
+def LastLogged(text):
+  """(current, peak) bytes of the last LogForever line in a log's text."""
+  lines = [line[line.index(_HEAD):] for line in text.splitlines() if _HEAD in line]
+  if not lines:
+    raise ValueError(f'No {_HEAD!r} line in the log (was --worker_memory_log_secs set?).')
+  fields = dict(part.split('=') for part in lines[-1][len(_HEAD):].split())
+  return int(fields['current']), int(fields['peak'])
