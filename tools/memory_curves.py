@@ -30,7 +30,12 @@ weight gradients), so a schedule whose count is flat in M should measure flat:
       --fixed_stages=4 --micro_batches=8,16,32 --micro_batch_rows=128
 
 (--micro_batch_rows fixes the micro-batch, so the batch grows with M: what a schedule
-holds per device is then micro-batches of one size.)
+holds per device is then micro-batches of one size.) With --per_device each stage runs in a
+worker process of its own, one device per allocator, and the table shows each device's peak
+next to what the schedule holds there at once:
+
+  python tools/memory_curves.py --schedules=1f1b,zb_h1 --remat=never --fixed_stages=4 \
+      --micro_batches=8,16,32 --micro_batch_rows=64 --per_device
 """
 
 import json
