@@ -119,6 +119,20 @@ def testMemoryCurves(runs):
   assert 'fit_mb' not in every and len(table) == 5
 
 
+@pytest.mark.parametrize('tool,args,message', [
+    ('memory_curves', ['--per_device'], '--per_device needs --schedules'),
+    ('memory_curves', ['--schedules=1f1b', '--per_device', '--model=lm.synthetic.GPipeTransformerLmTiny'],
+     'a built-in model'),
+    ('memory_curves', ['--schedules=1f1b,bogus'], "--schedules=['1f1b', 'bogus']"),
+    ('plan_balance', ['--choose', '--schedule=gpipe'], '--choose picks the schedule and remat'),
+    ('plan_balance', ['--memory_cap_mb=0'], '--memory_cap_mb must be a positive number'),
+])
+def testBadFlagsStopBeforeAnythingRuns(tool, args, message):
+  proc = _Start(tool, *args)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode != 0 and message in err and not out, err[-2000:]
+
+
 def testMemoryCurvesPerDeviceMeasuresEachWorkerOnItsOwn(tmp_path):
   """--per_device: each stage a worker process whose allocator logs its peak."""
   out, _ = _Finish(_Start('memory_curves', '--schedules=zb_h1', '--per_device', '--layers=2',

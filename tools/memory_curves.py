@@ -76,6 +76,14 @@ flags.DEFINE_bool('per_device', False, 'With --schedules: run each point on K wo
                   'processes (tools/local_cluster.py), each one device with its own allocator, '
                   'and report the fullest device\'s peak (and each device\'s) instead of the '
                   'peak of K logical devices sharing one.')
+flags.register_validator(
+    'schedules', lambda names: not names or set(names) <= set(schedule_lib.SCHEDULE_NAMES),
+    f'--schedules takes names of {list(schedule_lib.SCHEDULE_NAMES)}.')
+flags.register_multi_flags_validator(
+    ['per_device', 'schedules', 'model'],
+    lambda f: not f['per_device'] or (f['schedules'] and f['model'] in ('mlp', 'transformer')),
+    "--per_device needs --schedules and a built-in model (--model=mlp or transformer): it "
+    "places the built-in pipeline's stages on worker processes.")
 flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
 
@@ -181,7 +189,7 @@ def _ScheduleSweep(base):
   for i, config in enumerate(points, 1):
     results.append(bench_utils.RunIsolated(__file__, config))
     bench_utils.Progress(i, len(points), f"{config['schedule']} M={config['micro_batches']}: "
-                         f"peak {results[-1]['peak_mb']:.1f} MB")
+                         f"peak {results[-1]['peak_mb']:.2f} MB")
   plain = results[0]
   for r in results[1:]:
     r['held'], r['pending_w'], r['at_once'], r['device_at_once'] = _Held(

@@ -43,7 +43,8 @@ flags.DEFINE_string('model_params_override', '',
                     "Params text 'a.b : value; ...' applied to the registered model, as the "
                     'trainer applies it.')
 flags.DEFINE_integer('stages', None, 'K; default the model\'s.')
-flags.DEFINE_integer('micro_batches', None, 'M; default the model\'s.')
+flags.DEFINE_integer('micro_batches', None, 'M; default the model\'s. With --choose, the M '
+                     'whose micro-batch the layers are profiled at (the choice tries every M).')
 flags.DEFINE_enum('schedule', None, list(schedule_lib.SCHEDULE_NAMES),
                   'Schedule; default the model\'s.')
 flags.DEFINE_enum('remat', None, ['always', 'except_last', 'never'],
@@ -54,6 +55,13 @@ flags.DEFINE_list('remat_policy', None,
 flags.DEFINE_float('memory_cap_mb', None, 'Per-device memory cap in MiB; default none.')
 flags.DEFINE_boolean('choose', False, 'Also choose M, the schedule and remat (see above).')
 flags.DEFINE_integer('top', 8, 'With --choose: candidates printed.')
+flags.register_multi_flags_validator(
+    ['choose', 'schedule', 'remat'],
+    lambda f: not f['choose'] or (f['schedule'] is None and f['remat'] is None),
+    '--choose picks the schedule and remat itself: drop --schedule and --remat, or leave out '
+    '--choose to plan with them.')
+flags.register_validator('memory_cap_mb', lambda cap: cap is None or cap > 0,
+                         '--memory_cap_mb must be a positive number of MiB.')
 flags.DEFINE_float('action_overhead_ms', 0.5,
                    'Cost of each pipeline action besides its layers (dispatch, hand-over): '
                    'about 0.6 ms per action on this 2-core CPU (the tiny LM at M=32 ran 192 '
@@ -187,7 +195,10 @@ def _CandidateTable(candidates, cap):
     if 'why' in c:
       return 'does not fit the cap'
     slower = f"{c['step_time_s'] / best['step_time_s'] - 1:+.1%} step time"
-    return f'{slower}, a tie: more memory' if c['step_time_s'] <= tie else slower
+    if c['step_time_s'] > tie:
+      return slower
+    more = c['memory_bytes'] - best['memory_bytes']
+    return f'{slower}, a tie: {more / 2**20:+.2f} MB' if more else f'{slower}, a tie, same memory'
 
   return bench_utils.MarkdownTable(candidates, [
       ('M', lambda c: c['num_micro_batches']), ('schedule', lambda c: c['schedule']),
