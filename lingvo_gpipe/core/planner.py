@@ -71,10 +71,11 @@ def _Held(schedule, num_stages, num_micro_batches):
   those no other pair exceeds in both. A stage's memory peaks at one of them: the two
   counts peak apart (ZB-H1, K=4: 7 at once, not 4 + 4)."""
   held, pending = simulator.Orders(schedule, num_stages, num_micro_batches).HeldCounts()
-  pairs = np.unique(np.stack([held.ravel(), pending.ravel()], axis=1), axis=0)
-  dominated = [any(o[0] >= p[0] and o[1] >= p[1] and tuple(o) != tuple(p) for o in pairs)
-               for p in pairs]
-  return pairs[~np.array(dominated)]
+  # Most held first (and, for equal held, most pending): a pair is kept when its pending
+  # exceeds that of every pair before it.
+  pairs = np.unique(np.stack([held.ravel(), pending.ravel()], axis=1), axis=0)[::-1]
+  most_pending = np.maximum.accumulate(pairs[:, 1])
+  return pairs[np.concatenate([[True], pairs[1:, 1] > most_pending[:-1]])]
 
 
 def _Prefix(values):
