@@ -492,6 +492,41 @@ def testScheduleOrdersTheGraph(sched):
       assert prev_name in waits_on, (name, waits_on)
 
 
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testABatchHeldElsewhereReachesTheFirstDeviceAMicroBatchAtATime(sched):
+  """Micro-batch m leaves the batch's device (CPU:3) once the first device has run its action
+  two before F(m, 0), so that device holds the micro-batches it runs now and next, not the
+  whole batch from the step's start; the step is still exact."""
+  pipe = _Pipe(2, 4, 'always', sched, devices=['/device:CPU:0', '/device:CPU:1'])
+
+  @tf.function
+  def Step(x):
+    with tf.device('/device:CPU:3'):
+      return pipe.ForwardBackward(pipe.theta, x, _Loss)
+
+  x = _Input()
+  loss, grads = Step(x)
+  ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
+  assert _RelErr(loss, ref_loss) <= 1e-5
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+  _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
+
+  graph = Step.get_concrete_function(tf.TensorSpec([BATCH, DIM])).graph
+  released = {}
+  for op in graph.get_operations():
+    if op.name.startswith('released_input'):
+      released[int(op.name.split('/')[0][len('released_input'):])] = op
+  first = [a for a in pipe.GetSchedule(BATCH).orders[0] if a.kind != 'L']
+  forwards = [(i, a.micro_batch) for i, a in enumerate(first) if a.kind == 'F' and a.chunk == 0]
+  assert sorted(released) == [m for i, m in forwards if i >= 2]
+  for i, m in forwards[2:]:
+    op = released[m]
+    assert tf.DeviceSpec.from_string(op.device).device_index == 3, op.device
+    before_last = first[i - 2]
+    assert {_StepOf(c.name) for c in op.control_inputs} == {
+        f'chunk{before_last.chunk}_{before_last.kind}{before_last.micro_batch}'}, (m, i)
+
+
 def _DropoutCell():
   return layers.SequentialLayer.Params().Set(sub=[
       _Res.Params(), layers.DropoutLayer.Params().Set(keep_prob=0.5), _Res.Params()])

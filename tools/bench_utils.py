@@ -138,12 +138,13 @@ def _Run(tf, body):
   return lambda: _Fetch(tf, step())
 
 
-def _BuiltInStep(tf, config, devices=None):
+def _BuiltInStep(tf, config, devices=None, input_device=None):
   from lingvo_gpipe import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
   layer_params, shape = LayerParams(config)
-  with tf.device(devices[0]) if devices else contextlib.nullcontext():
+  where = input_device or (devices[0] if devices else None)
+  with tf.device(where) if where else contextlib.nullcontext():
     x = tf.random.stateless_normal(shape, [1, 2])
 
   def Loss(y):
@@ -197,12 +198,13 @@ def _RegisteredStep(tf, config):
               params.input.batch_size)
 
 
-def BuildStep(tf, config, devices=None):
+def BuildStep(tf, config, devices=None, input_device=None):
   """The Step of a configuration (see the module docstring); a built-in model's pipeline on
-  `devices` (e.g. a cluster's) if given."""
+  `devices` (e.g. a cluster's) if given, its batch on `input_device` (default: the first
+  stage's)."""
   if config['model'] in ('mlp', 'transformer'):
-    return _BuiltInStep(tf, config, devices)
-  if devices:
+    return _BuiltInStep(tf, config, devices, input_device)
+  if devices or input_device:
     raise ValueError(f"devices are for the built-in models, not {config['model']!r}.")
   return _RegisteredStep(tf, config)
 

@@ -32,7 +32,9 @@ weight gradients), so a schedule whose count is flat in M should measure flat:
 (--micro_batch_rows fixes the micro-batch, so the batch grows with M: what a schedule
 holds per device is then micro-batches of one size.) With --per_device each stage runs in a
 worker process of its own, one device per allocator, and the table shows each device's peak
-next to what the schedule holds there at once:
+next to what the schedule holds there at once. The batch is made on the client, as a host
+would hold it, so that the first device's peak is what the pipeline holds there (the
+micro-batches reach it one or two at a time):
 
   python tools/memory_curves.py --schedules=1f1b,zb_h1 --remat=never --fixed_stages=4 \
       --micro_batches=8,16,32 --micro_batch_rows=64 --per_device
@@ -89,9 +91,9 @@ flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and 
 
 
 def _RunOnWorkers(config):
-  """The point's step on K worker processes, one op at a time each; each worker logs its
-  allocator (trainer --worker_memory_log_secs): per device, its peak over the run above
-  what it holds after it (weights, gradient sums)."""
+  """The point's step on K worker processes, one op at a time each, the batch on this client;
+  each worker logs its allocator (trainer --worker_memory_log_secs): per device, its peak
+  over the run above what it holds after it (weights, gradient sums)."""
   import local_cluster  # pylint: disable=g-import-not-at-top
   tf = bench_utils.SetUpDevices(1)
   from lingvo_gpipe import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
@@ -101,7 +103,8 @@ def _RunOnWorkers(config):
                                   inter_op_threads=config['inter_op_threads'],
                                   worker_args=[f'--worker_memory_log_secs={interval}']) as workers:
     cluster_lib.Connect(workers.spec, timeout_secs=120)
-    step = bench_utils.BuildStep(tf, config, cluster_lib.PipelineDevices(k))
+    step = bench_utils.BuildStep(tf, config, cluster_lib.PipelineDevices(k),
+                                 input_device='/job:localhost/replica:0/task:0/device:CPU:0')
     for _ in range(1 + config['steps']):
       step.run()
     time.sleep(10 * interval)  # Each worker logs what it holds now.

@@ -356,6 +356,7 @@ class Pass:
     # itself is in the chunk's GradientSum (ThetaGrads reads it).
     self.theta_grads = [None] * self.num_chunks
     self.tokens = [[] for _ in self.devices]
+    self.earlier_tokens = [[] for _ in self.devices]  # Those of the action before last.
     self.updates = []
     if keep_inputs:
       # Made now, not by the first backward: a backward may run where no variable can be
@@ -369,7 +370,8 @@ class Pass:
     """Runs one F, B, W or BW action on its chunk's device, after that device's last one."""
     device = self.placement[action.chunk]
     with self._Scope(action):
-      self.tokens[device] = self._handlers[action.kind](action, device)
+      tokens = self._handlers[action.kind](action, device)
+    self.earlier_tokens[device], self.tokens[device] = self.tokens[device], tokens
 
   def _Scope(self, action):
     """Device, name scope and FProp context of one action."""
@@ -398,6 +400,23 @@ class Pass:
       self.tracer.End(self.replica, device, action, start, outputs, recompute_end)
     return _Tokens(outputs)
 
+  def _Released(self, m, device):
+    """Micro-batch m's first-chunk arguments, passed on from where the batch lives only once
+    the first device has run its action before last: a batch held elsewhere (in a host's
+    memory, on the client) then reaches the first device a micro-batch or two at a time,
+    while its previous action runs, not all of it when the step starts."""
+    args = self.inputs[(m, 0)]
+    if tf.executing_eagerly() or not self.earlier_tokens[device]:
+      return args
+
+    def Release(x):
+      # Named outside the action's scope: the op runs with the batch, not on the device.
+      with tf.name_scope(f'released_input{m}/'), tf.compat.v1.colocate_with(x), \
+          tf.control_dependencies(self.earlier_tokens[device]):
+        return tf.identity(x)
+
+    return tf.nest.map_structure(lambda x: Release(x) if isinstance(x, tf.Tensor) else x, args)
+
   def _Remat(self, m):
     return self.remat == 'always' or (self.remat == 'except_last' and
                                       m < self.num_micro_batches - 1)
@@ -405,6 +424,8 @@ class Pass:
   def _Forward(self, action, device):
     m, c = action.micro_batch, action.chunk
     key = (m, c)
+    if c == 0:
+      self.inputs[key] = self._Released(m, device)
     start, args = self._Begin(device, self.inputs[key])
     if self._Remat(m):
       out, acts, updates = self.functions[c].Forward(self.thetas[c], args, self._Where(m),
