@@ -127,11 +127,12 @@ def testUnderATightCapAFinerPolicyWinsAndAnUnknownOneIsAnError():
                                 memory_cap_bytes=50, **only)
   assert tight.remat_policy == 'every_layer' and tight.StageMemory() == [1.0 + 8.0 + 10.0]
   assert tight.StageCosts() == ([8.0], [16.0 + 8.0 + 8.0])  # Two recomputed forwards.
-  with pytest.raises(planner.NoFitError, match='fits memory_cap_bytes=10') as e:
+  with pytest.raises(planner.NoFitError, match='None of the 2 candidates') as e:
     planner.ChoosePlan(profiles, 1, 1, 1, remat_policies=['none', 'every_layer'],
                        memory_cap_bytes=10, **only)
-  assert 'needs 19 bytes on its fullest device (remat always, remat policy every_layer)' in str(
-      e.value)
+  assert ('fits a memory cap of 10 bytes per device: the leanest, M=1, schedule gpipe, remat '
+          'always, remat policy every_layer, needs 19 bytes on its fullest device') in str(
+              e.value)
   with pytest.raises(ValueError, match="unknown remat policy 'l9'"):
     planner.MakePlan(profiles, 1, 1, remat_policy='l9')
 
@@ -145,8 +146,8 @@ def testCapTradesSpeedForMemoryAndTooSmallACapIsAClearError():
   assert fastest.ends == [2, 4] and fastest.StageMemory() == [102.0, 4.0]
   capped = planner.MakePlan(profiles, 2, 2, memory_cap_bytes=60)
   assert capped.ends == [1, 4] and capped.StageMemory() == [52.0, 54.0]
-  with pytest.raises(ValueError, match='No split into 2 stages fits memory_cap_bytes=50: the '
-                     'leanest split needs 54 bytes'):
+  with pytest.raises(ValueError, match='No split into 2 stages fits a memory cap of 50 bytes '
+                     'per device: the leanest split needs 54 bytes'):
     planner.MakePlan(profiles, 2, 2, memory_cap_bytes=50)
 
 
@@ -207,8 +208,13 @@ def testChoosePlanTakesTheFastestCandidateThatFits():
   assert any('why' in c for c in capped_candidates)
   assert all(c['step_time_s'] >= capped_candidates[0]['step_time_s']
              for c in capped_candidates)
-  with pytest.raises(planner.NoFitError, match='No split into 2 stages fits memory_cap_bytes=1'):
+  with pytest.raises(planner.NoFitError, match=r'None of the \d+ candidates \(M in \[1, 2, 4'):
     planner.ChoosePlan(profiles, 2, 16, 4, memory_cap_bytes=1)
+  with pytest.raises(planner.NoFitError, match='No split into 2 stages fits a memory cap of 1 '
+                     'bytes per device: .* remat never'):
+    planner.ChoosePlan(profiles, 2, 16, 4, memory_cap_bytes=1, micro_batches=[4],
+                       schedules=['1f1b'], remats=['never'])
+  assert planner._Size(64 * 2**20) == '64.0 MiB' and planner._Size(1536) == '1.5 KiB'
   # A cost per action (dispatch) makes many small micro-batches lose.
   costly, _ = planner.ChoosePlan(profiles, 2, 16, 4, action_overhead_s=5.0)
   assert costly.num_micro_batches < plan.num_micro_batches

@@ -142,6 +142,7 @@ def testMemoryCurvesPerDeviceMeasuresEachWorkerOnItsOwn(tmp_path):
   with open(tmp_path / 'm.json') as f:
     plain, point = json.load(f)['points']
   assert plain['sweep'] == 'plain' and point['per_device']
+  assert plain['rows'] == point['rows'] == 16  # The plain model on the first point's batch.
   assert len(point['device_peaks_mb']) == 2 and min(point['device_peaks_mb']) > 0
   assert point['peak_mb'] == max(point['device_peaks_mb'])
   # ZB-H1, K=2, M=2: device 0 holds F0 and F1 before B0; device 1 holds F1 and B0's pending W.

@@ -37,7 +37,7 @@ would hold it, so that the first device's peak is what the pipeline holds there 
 micro-batches reach it one or two at a time):
 
   python tools/memory_curves.py --schedules=1f1b,zb_h1 --remat=never --fixed_stages=4 \
-      --micro_batches=8,16,32 --micro_batch_rows=64 --per_device
+      --micro_batches=8,16,32 --micro_batch_rows=256 --per_device
 """
 
 import json
@@ -183,9 +183,14 @@ def _Held(sched, k, m):
 def _ScheduleSweep(base):
   """Each schedule over --micro_batches at K=--fixed_stages, against what it holds."""
   k = FLAGS.fixed_stages
-  points = [dict(base, stages=0, micro_batches=1, schedule='gpipe', sweep='plain')] + [
-      dict(base, stages=k, micro_batches=int(m), schedule=sched, sweep='schedule',
-           rows=FLAGS.micro_batch_rows * int(m) if FLAGS.micro_batch_rows else base['rows'],
+
+  def Rows(m):
+    return FLAGS.micro_batch_rows * int(m) if FLAGS.micro_batch_rows else base['rows']
+
+  # The plain model on the first point's batch.
+  points = [dict(base, stages=0, micro_batches=1, schedule='gpipe', sweep='plain',
+                 rows=Rows(FLAGS.micro_batches[0]))] + [
+      dict(base, stages=k, micro_batches=int(m), schedule=sched, sweep='schedule', rows=Rows(m),
            per_device=FLAGS.per_device)
       for sched in FLAGS.schedules for m in FLAGS.micro_batches]
   results = []

@@ -49,6 +49,14 @@ PLAN_FORMAT = 'lingvo_gpipe.balance_plan.v1'
 # -- planning (no TensorFlow) --------------------------------------------------------------
 
 
+def _Size(num_bytes):
+  """'19 bytes', '1.5 KiB', '64.0 MiB' or '2.25 GiB'."""
+  for unit, scale in (('GiB', 2**30), ('MiB', 2**20), ('KiB', 2**10)):
+    if num_bytes >= scale:
+      return f'{num_bytes / scale:.{2 if unit == "GiB" else 1}f} {unit}'
+  return f'{num_bytes:.4g} bytes'
+
+
 class NoFitError(ValueError):
   """No split into the stages asked for fits the memory cap; `need` is the leanest split's
   bytes on its fullest device."""
@@ -237,10 +245,10 @@ def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='a
     least = partition._SplitDP(_Prefix(np.zeros(len(units))), num_stages, model.Memory,
                                np.maximum)
     need = max(float(model.Memory(j, i)) for j, i in zip([0] + least[:-1], least))
-    raise NoFitError(f'No split into {num_stages} stages fits memory_cap_bytes={cap:.4g}: the '
-                     f'leanest split needs {need:.4g} bytes on its fullest device (remat '
-                     f'{remat}, remat policy {remat_policy}); raise the cap, K or M, or '
-                     're-materialize.', need)
+    raise NoFitError(f'No split into {num_stages} stages fits a memory cap of {_Size(cap)} per '
+                     f'device: the leanest split needs {_Size(need)} on its fullest device '
+                     f'(M={num_micro_batches}, schedule {schedule}, remat {remat}, remat policy '
+                     f'{remat_policy}); raise the cap, K or M, or re-materialize.', need)
   return Plan(source=source, layers=list(profiles), ends=[unit_ends[e - 1] for e in ends],
               num_micro_batches=num_micro_batches, schedule=schedule, remat=remat,
               optimizer_slots=optimizer_slots, memory_cap_bytes=memory_cap_bytes,
@@ -370,7 +378,7 @@ def ChoosePlan(profiles, num_stages, batch_size, profiled_rows, memory_cap_bytes
     the others fastest first.
 
   Raises:
-    NoFitError: if no candidate fits (that of the candidate needing least memory).
+    NoFitError: if no candidate fits (naming the one that needs least memory).
   """
   micro_batches = micro_batches or [m for m in range(1, min(batch_size, 64) + 1)
                                     if batch_size % m == 0]
@@ -383,7 +391,7 @@ def ChoosePlan(profiles, num_stages, batch_size, profiled_rows, memory_cap_bytes
         plan = MakePlan(scaled, num_stages, m, schedule, remat, memory_cap_bytes,
                         optimizer_slots, glued, source, policy, action_overhead_s)
       except NoFitError as e:
-        errors.append(e)
+        errors.append((e, key))
         candidates.append(dict(key, step_time_s=np.inf, why=str(e)))
         continue
       prediction = plan.Predict()
@@ -392,7 +400,16 @@ def ChoosePlan(profiles, num_stages, batch_size, profiled_rows, memory_cap_bytes
                              bubble=prediction.bubble_fraction,
                              memory_bytes=max(plan.StageMemory())))
   if not plans:
-    raise min(errors, key=lambda e: e.need)
+    least, key = min(errors, key=lambda error: error[0].need)
+    if len(errors) == 1:
+      raise least
+    raise NoFitError(
+        f'None of the {len(errors)} candidates (M in {list(micro_batches)}, schedules '
+        f'{list(schedules)}, remat {list(remats)}, remat policies {list(remat_policies)}) fits '
+        f'a memory cap of {_Size(memory_cap_bytes)} per device: the leanest, '
+        f"M={key['num_micro_batches']}, schedule {key['schedule']}, remat {key['remat']}, remat "
+        f"policy {key['remat_policy']}, needs {_Size(least.need)} on its fullest device; raise "
+        'the cap or K.', least.need)
   tie = min(c['step_time_s'] for c in candidates) * (1 + TIE_FRACTION)
   candidates.sort(key=lambda c: (c['step_time_s'] > tie,
                                  c.get('memory_bytes', np.inf) if c['step_time_s'] <= tie
