@@ -401,23 +401,21 @@ class Pass:
     return _Tokens(outputs)
 
   def _Released(self, m, device):
-    """Micro-batch m's first-chunk arguments, passed on from the device the batch was placed
-    on only once the first device has run its action before last: a batch held elsewhere (in
-    a host's memory, on the client) then reaches the first device a micro-batch or two at a
+    """Micro-batch m's first-chunk arguments, passed on from where the batch is split only
+    once the first device has run its action before last: a batch held elsewhere (in a
+    host's memory, on the client) then reaches the first device a micro-batch or two at a
     time, while its previous action runs, not all of it when the step starts."""
     args = self.inputs[(m, 0)]
     if tf.executing_eagerly() or not self.earlier_tokens[device]:
       return args
 
     def Release(x):
-      if not isinstance(x, tf.Tensor) or not x.device:  # Unplaced: the placer decides.
-        return x
-      # Named outside the action's scope: the op runs with the batch, not on the device.
-      with tf.name_scope(f'released_input{m}/'), tf.device(x.device), \
+      # Where the split is: outer device scopes cleared, and unplaced if the split is.
+      with tf.name_scope(f'released_input{m}/'), tf.device(None), tf.device(x.device), \
           tf.control_dependencies(self.earlier_tokens[device]):
         return tf.identity(x)
 
-    return tf.nest.map_structure(Release, args)
+    return tf.nest.map_structure(lambda x: Release(x) if isinstance(x, tf.Tensor) else x, args)
 
   def _Remat(self, m):
     return self.remat == 'always' or (self.remat == 'except_last' and
