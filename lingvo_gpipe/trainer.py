@@ -106,9 +106,9 @@ flags.DEFINE_integer('worker_intra_op_threads', 0,
 flags.DEFINE_integer('worker_inter_op_threads', 0,
                      "--job=worker: the server's inter-op threads (0: TensorFlow's default).")
 flags.DEFINE_float('worker_memory_log_secs', 0.0,
-                   "--job=worker: if > 0, log the allocator's current and peak bytes this often "
-                   '(when they changed): a worker is one device with its own allocator '
-                   '(tools/memory_curves.py --per_device reads it).')
+                   "--job=worker: if > 0, log the allocator's current bytes and its peak since "
+                   'the last check this often (when they changed): a worker is one device with '
+                   'its own allocator (tools/memory_curves.py --per_device reads it).')
 flags.DEFINE_integer('num_cpu_devices', None,
                      'Logical CPU devices of a local run; default: worker_replicas x one per '
                      'pipeline stage of the model (4 if the params name no stages).')

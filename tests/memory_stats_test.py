@@ -42,8 +42,9 @@ def testWithoutStatisticsTheErrorSaysHowToTurnThemOn():
       'TF_CPU_ALLOCATOR_USE_BFC=true) before TensorFlow runs its first op.')
 
 
-def testLogForeverLogsWhatLastLoggedReads():
-  """A worker's memory log: the allocator's current and peak bytes, read back from the log."""
+def testLogForeverLogsWhatLoggedSinceReads():
+  """A worker's memory log: the allocator's current bytes and its peak since the check before,
+  read back from the log over all of it or from a time on."""
   code = ('import threading, time\n'
           'from absl import logging\n'
           'import tensorflow as tf\n'
@@ -52,15 +53,24 @@ def testLogForeverLogsWhatLastLoggedReads():
           'tf.reduce_sum(tf.ones([2048, 1024]) * 2.0).numpy()\n'  # 8 MiB more, freed.
           'logging.set_verbosity(logging.INFO)\n'  # As in a worker run by the trainer.
           'threading.Thread(target=memory_stats.LogForever, args=(0.01,), daemon=True).start()\n'
-          'time.sleep(0.5)\n')
+          'time.sleep(0.3)\n'
+          'print(time.time(), flush=True)\n'
+          'tf.reduce_sum(tf.ones([4096, 1024]) * 2.0).numpy()\n'  # 16 MiB more, freed.
+          'time.sleep(0.3)\n'
+          'print(time.time(), flush=True)\n'
+          'time.sleep(0.3)\n')
   env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='true', TF_CPP_MIN_LOG_LEVEL='2')
   proc = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
                         timeout=120, check=True)
-  current, peak = memory_stats.LastLogged(proc.stderr)
+  before, after = map(float, proc.stdout.split())
+  current, peak = memory_stats.LoggedSince(proc.stderr)
   assert 4 * 2**20 <= current < 8 * 2**20
-  assert current + 8 * 2**20 <= peak
+  assert current + 16 * 2**20 <= peak
+  assert memory_stats.LoggedSince(proc.stderr, before) == (current, peak)
+  # From after the 16 MiB on, nothing but what is kept.
+  assert memory_stats.LoggedSince(proc.stderr, after) == (current, current)
 
 
-def testLastLoggedNamesTheMissingLine():
+def testLoggedSinceNamesTheMissingLine():
   with pytest.raises(ValueError, match="No 'allocator bytes:' line.*worker_memory_log_secs"):
-    memory_stats.LastLogged('I1126 worker task 0 serving\n')
+    memory_stats.LoggedSince('I1126 worker task 0 serving\n')

@@ -39,9 +39,9 @@ def PeakBytes(fn, device='CPU:0'):
   return result, tf.config.experimental.get_memory_info(device)['peak'] - live
 
 
-# The line a worker logs (LogForever) and LastLogged reads.
+# The line a worker logs (LogForever) and LoggedSince reads.
 _HEAD = 'allocator bytes:'
-_LOGGED = _HEAD + ' current={current} peak={peak}'
+_LOGGED = _HEAD + ' current={current} peak={peak} time={time:.6f}'
 
 
 def LogForever(interval_secs, device='CPU:0'):
@@ -49,23 +49,33 @@ def LogForever(interval_secs, device='CPU:0'):
 
   A worker process serving one pipeline stage has the allocator to itself: its
   peak is that device's, which logical devices sharing one process cannot show
-  (tools/memory_curves.py --per_device reads the log with LastLogged).
+  (tools/memory_curves.py --per_device reads the log with LoggedSince). The peak
+  statistic is reset after each check, so a line's peak is the most allocated
+  since the check before (the process's whole past for the first line) and a
+  reader can take the peak of any stretch of time, e.g. leave out a first,
+  tracing step.
   """
   from absl import logging  # pylint: disable=g-import-not-at-top
   last = None
   while True:
     info = _Checked(tf.config.experimental.get_memory_info, device)
+    tf.config.experimental.reset_memory_stats(device)
     now = (info['current'], info['peak'])
     if now != last:
-      logging.info(_LOGGED.format(current=now[0], peak=now[1]))
+      logging.info(_LOGGED.format(current=now[0], peak=now[1], time=time.time()))
       last = now
     time.sleep(interval_secs)
 
 
-def LastLogged(text):
-  """(current, peak) bytes of the last LogForever line in a log's text."""
-  lines = [line[line.index(_HEAD):] for line in text.splitlines() if _HEAD in line]
+def LoggedSince(text, start=0.0):
+  """(current bytes of the last LogForever line in a log's text, the most allocated in
+  the lines logged after `start`, a time.time()): the peak from then on, give or take the
+  logging interval before `start`. No line after `start` means nothing changed: the peak
+  is the last current."""
+  lines = [line[line.index(_HEAD) + len(_HEAD):] for line in text.splitlines() if _HEAD in line]
   if not lines:
     raise ValueError(f'No {_HEAD!r} line in the log (was --worker_memory_log_secs set?).')
-  fields = dict(part.split('=') for part in lines[-1][len(_HEAD):].split())
-  return int(fields['current']), int(fields['peak'])
+  logged = [dict(part.split('=') for part in line.split()) for line in lines]
+  current = int(logged[-1]['current'])
+  return current, max([int(fields['peak']) for fields in logged if float(fields['time']) > start],
+                      default=current)
