@@ -1,5 +1,6 @@
 """Tests of lingvo_gpipe.core.pipeline_stats: hand-made timelines and real pipelines."""
 
+import collections
 import glob
 import json
 import os
@@ -269,6 +270,39 @@ def testMeasuringAddsNoWaitBetweenStages(sched):
       waits_on = _StepOf(other.name)
       assert (waits_on is None or pipe.placement[waits_on[0]] == pipe.placement[c] or
               waits_on in allowed), f'{op.name} waits for {other.name}'
+
+
+def testEveryStampNamesItsDeviceInsideItsCall():
+  """A stamp's timestamp op carries its stage's device inside the call: inlined without one,
+  it ran on the first worker process for every stage, and a later stage's actions waited for
+  round trips to it."""
+  pipe = _Pipe(2, 2, 'never', '1f1b')
+  x = tf.random.stateless_normal([BATCH, DIM], [1, 2])
+
+  @tf.function
+  def Step():
+    records = []
+    with py_utils.Context(step_stats=records):
+      return pipe.ForwardBackward(pipe.theta, x, _Loss), records
+
+  graph = Step.get_concrete_function().graph
+  library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+  stamped = collections.Counter()
+  for op in graph.get_operations():
+    step = _StepOf(op.name)
+    if op.type != 'StatefulPartitionedCall' or step is None:
+      continue
+    body = library[op.get_attr('f').name]
+    timestamps = [n.device for n in body.node_def if n.op == 'Timestamp']
+    if not timestamps:
+      continue
+    (device,) = timestamps
+    want = tf.DeviceSpec.from_string(pipe.devices[pipe.placement[step[0]]])
+    got = tf.DeviceSpec.from_string(device)
+    assert (got.device_type, got.device_index) == (want.device_type, want.device_index), (
+        f'{op.name} stamps on {device!r}, not on {want.to_string()!r}')
+    stamped[pipe.placement[step[0]]] += 1
+  assert stamped == {0: 8, 1: 8}  # Start and end of F and BW of 2 micro-batches per stage.
 
 
 # -- the trainer's --pipeline_stats_every ------------------------------------------------

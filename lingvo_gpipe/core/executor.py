@@ -160,22 +160,26 @@ def _CellGradients(tape, targets, target_grads, args=None, theta=None):
 
 
 @tf.function(autograph=False)
-def _Now(clock):
-  """tf.timestamp() in a call that takes the device's `clock` variable.
+def _Now(clock, device):
+  """tf.timestamp() on `device`, in a call that takes the device's `clock` variable.
 
   Inside a tf.function, automatic control dependencies chain every stateful op
   that has no resource input (tf.timestamp is one) in program order, which
   would make each device's stamps wait for the other devices' steps. A call that
-  takes a resource it only reads is ordered by nothing but its own inputs.
+  takes a resource it only reads is ordered by nothing but its own inputs. The
+  device is named inside (one trace per device): an inlined body op without
+  one ran on the first worker process for every device, so a later stage's
+  stamps waited for a round trip to it and its actions looked 10-20% longer.
   """
   del clock  # Only its presence as an input matters.
-  return tf.timestamp()
+  with tf.device(device):
+    return tf.timestamp()
 
 
 def Stamp(clock, structure):
-  """The time (seconds) once every tensor of `structure` exists."""
+  """The time (seconds) on the clock's device once every tensor of `structure` exists."""
   with tf.control_dependencies(_Tokens(structure)):
-    return _Now(clock)
+    return _Now(clock, clock.device)
 
 
 class DeviceClocks:
@@ -199,10 +203,10 @@ class StepTracer:
 
   A record: replica, stage (the device), chunk, kind, micro_batch, start, end
   and, for a re-materialized backward, recompute_end. The device's next action
-  waits for the outputs, not for the end stamp: waiting for it made traced steps
-  10-20% slower than untraced ones on two worker processes, so the measured
-  bubble described another run. An end stamp may then come a little late (the
-  next action's start can precede it); the busy time counts overlaps once.
+  waits for the end stamp too: without that, the stamp queued behind the next
+  action's first ops (up to one matmul late), which made a last stage, whose
+  loss and backward follow its forward at once, look 10-20% slower per action
+  than the first on two worker processes, while both ran the same ops as fast.
   """
 
   def __init__(self, records, clocks):
@@ -215,10 +219,12 @@ class StepTracer:
     return start, After([start], inputs)
 
   def End(self, replica, device, action, start, outputs, recompute_end=None):
+    """Records the action; returns its end stamp, for the device's next action to wait for."""
     end = Stamp(self.clocks[device], (outputs, recompute_end))
     self._records.append(py_utils.NestedMap(
         replica=replica, stage=device, chunk=action.chunk, kind=action.kind,
         micro_batch=action.micro_batch, start=start, end=end, recompute_end=recompute_end))
+    return end
 
 
 # -- per-chunk functions ----------------------------------------------------------------------
@@ -396,9 +402,10 @@ class Pass:
 
   def _End(self, device, action, start, outputs, recompute_end=None):
     """The tokens the device's next action waits for."""
+    tokens = _Tokens(outputs)
     if self.tracer is not None:
-      self.tracer.End(self.replica, device, action, start, outputs, recompute_end)
-    return _Tokens(outputs)
+      tokens.append(self.tracer.End(self.replica, device, action, start, outputs, recompute_end))
+    return tokens
 
   def _Released(self, m, device):
     """Micro-batch m's first-chunk arguments, passed on from where the batch is split only
