@@ -247,11 +247,8 @@ def _StepOf(op_name):
   return (int(match[1]), match[2], int(match[3])) if match else None
 
 
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
-def testMeasuringAddsNoWaitBetweenStages(sched):
-  """In the measured graph an action waits only for its device and its schedule
-  dependencies."""
-  pipe = _Pipe(2, 2, 'always', sched)
+def _MeasuredGraph(pipe):
+  """The graph of a traced forward-backward step with the step statistics on."""
   x = tf.random.stateless_normal([BATCH, DIM], [1, 2])
 
   @tf.function
@@ -260,7 +257,15 @@ def testMeasuringAddsNoWaitBetweenStages(sched):
     with py_utils.Context(step_stats=records):
       return pipe.ForwardBackward(pipe.theta, x, _Loss), records
 
-  for op in Step.get_concrete_function().graph.get_operations():
+  return Step.get_concrete_function().graph
+
+
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testMeasuringAddsNoWaitBetweenStages(sched):
+  """In the measured graph an action waits only for its device and its schedule
+  dependencies."""
+  pipe = _Pipe(2, 2, 'always', sched)
+  for op in _MeasuredGraph(pipe).get_operations():
     step = _StepOf(op.name)
     if step is None:
       continue
@@ -277,15 +282,7 @@ def testEveryStampNamesItsDeviceInsideItsCall():
   it ran on the first worker process for every stage, and a later stage's actions waited for
   round trips to it."""
   pipe = _Pipe(2, 2, 'never', '1f1b')
-  x = tf.random.stateless_normal([BATCH, DIM], [1, 2])
-
-  @tf.function
-  def Step():
-    records = []
-    with py_utils.Context(step_stats=records):
-      return pipe.ForwardBackward(pipe.theta, x, _Loss), records
-
-  graph = Step.get_concrete_function().graph
+  graph = _MeasuredGraph(pipe)
   library = {f.signature.name: f for f in graph.as_graph_def().library.function}
   stamped = collections.Counter()
   for op in graph.get_operations():
