@@ -301,12 +301,18 @@ class _MapProj(layers.ProjectionLayer):
     return py_utils.NestedMap(x=super().FProp(theta, inputs.x), mask=inputs.mask)
 
 
-def testNestedMapInputsWithIntegerLeavesAndBeforeLayers():
-  cells = gpipe.PartitionSequentialLayers([_MapRes.Params() for _ in range(4)], 2,
+@pytest.mark.parametrize('remat', ['always', 'never'])
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testNestedMapInputsWithIntegerLeavesAndBeforeLayers(sched, remat):
+  """A before layer trains through the first chunk's input gradients, which every schedule
+  takes only when such a layer needs them."""
+  v = _V.get(sched, 1)
+  cells = gpipe.PartitionSequentialLayers([_MapRes.Params() for _ in range(4)], 2 * v,
                                           tf.TensorShape([BATCH, DIM]), cost='params')
   before = [_MapProj.Params().Set(name='proj', input_dim=DIM, output_dim=DIM)]
   pipe = gpipe.PipeliningLayer.Params().Set(
-      name='pipe', cell_tpl=cells, before_tpl=before, num_micro_batches=4).Instantiate()
+      name='pipe', cell_tpl=cells, before_tpl=before, num_micro_batches=4, schedule=sched,
+      virtual_stages=v, remat=remat).Instantiate()
   mask = tf.constant([1, 0] * (BATCH // 2))
   x = _Input()
 
@@ -329,9 +335,10 @@ def testNestedMapInputsWithIntegerLeavesAndBeforeLayers():
   assert _RelErr(loss, ref_loss) <= 1e-5
   by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
   _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
-  with tf.GradientTape() as tape:
-    tape_loss = Loss(pipe(inputs))
-  _AssertGradsClose(tape.gradient(tape_loss, pipe.trainable_variables), ref_grads)
+  if sched == 'gpipe':
+    with tf.GradientTape() as tape:
+      tape_loss = Loss(pipe(inputs))
+    _AssertGradsClose(tape.gradient(tape_loss, pipe.trainable_variables), ref_grads)
 
 
 @pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
@@ -467,6 +474,59 @@ def testEveryOpOfCellKRunsOnDeviceK(sched):
   for c, cell in enumerate(pipe.cell):
     for v in cell.variables:
       assert tf.DeviceSpec.from_string(v.device).device_index == pipe.placement[c]
+
+
+def _MatMulsRun(graph):
+  """MatMul ops a traced step runs: those its outputs and stateful ops wait for (TensorFlow
+  prunes the others from a function before it runs)."""
+  seen, todo = set(), [t.op for t in graph.outputs] + list(graph.control_outputs)
+  while todo:
+    op = todo.pop()
+    if op.name not in seen:
+      seen.add(op.name)
+      todo += [t.op for t in op.inputs] + list(op.control_inputs)
+  return sum(graph.get_operation_by_name(name).type == 'MatMul' for name in seen)
+
+
+class _ProjRes(base_layer.BaseLayer):
+  """x + proj2(relu(proj1(x))): each weight used by a layer call of its own."""
+
+  def __init__(self, params):
+    super().__init__(params)
+    proj = layers.ProjectionLayer.Params().Set(has_bias=False)
+    self.CreateChild('proj1', proj.Copy().Set(input_dim=DIM, output_dim=HIDDEN))
+    self.CreateChild('proj2', proj.Copy().Set(input_dim=HIDDEN, output_dim=DIM))
+
+  def FProp(self, theta, x):
+    return x + self.proj2.FProp(theta.proj2, tf.nn.relu(self.proj1.FProp(theta.proj1, x)))
+
+
+# A zero-bubble W takes the weight gradients of a layer call from that call's own ops
+# (core/layer_tapes.py): a call that chains two weights in its own ops (_Res) walks the
+# chain between them again, one matmul more per layer than the plain model.
+@pytest.mark.parametrize('sched,layer', [(s, _ProjRes) for s in schedule.SCHEDULE_NAMES] + [
+    (s, _Res) for s in ('gpipe', '1f1b', 'interleaved_1f1b')])
+def testAStepRunsThePlainModelsMatMulsPerMicroBatch(sched, layer):
+  """Without re-materialization each micro-batch costs what the plain model's step costs: in
+  particular the first chunk takes no gradient of the pipeline's input, which nothing uses."""
+  pipe = _Pipe(2, 4, 'never', sched, layer=layer)
+  spec = tf.TensorSpec([BATCH, DIM])
+
+  @tf.function
+  def Plain(x):
+    with tf.GradientTape() as tape:
+      for cell, theta in zip(pipe.cell, pipe.theta.cell):
+        x = cell.FProp(theta, x)
+      loss = _Loss(x)
+    return tape.gradient(loss, pipe.trainable_variables)
+
+  @tf.function
+  def Step(x):
+    return pipe.ForwardBackward(pipe.theta, x, _Loss)
+
+  plain = _MatMulsRun(Plain.get_concrete_function(spec).graph)
+  assert plain == 8 * 2 + 8 * 4 - 1  # Forward 2 per layer, backward 4 but the input's.
+  assert _MatMulsRun(Step.get_concrete_function(spec).graph) == 4 * plain
 
 
 @pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)

@@ -264,17 +264,19 @@ class CellFunctions:
       stats.setdefault(layer.path, []).append(layer_stats)
     return out, acts, stats
 
-  def _Backward(self, theta, args, grads_in, added, where, training, clock):
+  def _Backward(self, theta, args, grads_in, added, where, training, clock, arg_grads):
     with tf.device(self._device), _Context(self._layer, where, training, []):
       with tf.GradientTape(watch_accessed_variables=False) as tape:
-        _Watch(tape, theta, args)
+        # Watched, an argument's gradient is taken even if not asked for.
+        _Watch(tape, theta, args if arg_grads else ())
         targets = self._layer.CellFProp(self._chunk, theta, args)
       recomputed = None if clock is None else Stamp(clock, targets)
-      d_args, d_theta = _CellGradients(tape, targets, grads_in, args, theta)
+      d_args, d_theta = _CellGradients(tape, targets, grads_in, args if arg_grads else None,
+                                       theta)
       return d_args, _Accumulate(self.grad_sum, theta, d_theta, added), recomputed
 
-  def _FirstBackward(self, theta, args, grads_in, where, training, clock):
-    return self._Backward(theta, args, grads_in, None, where, training, clock)
+  def _FirstBackward(self, theta, args, grads_in, where, training, clock, arg_grads):
+    return self._Backward(theta, args, grads_in, None, where, training, clock, arg_grads)
 
   def Forward(self, theta, args, where, training):
     """(outputs, activations, [(layer, stats)]) of the chunk.
@@ -285,14 +287,15 @@ class CellFunctions:
     by_path = self._layer.cell[self._chunk].LayersByPath()
     return out, acts, [(by_path[path], s) for path in sorted(stats) for s in stats[path]]
 
-  def Backward(self, theta, args, grads_in, added, where, training, clock=None):
-    """(input grads, the token of adding the theta grads to grad_sum, the time the recompute
-    ended if a clock is given) of the chunk; `added` is the token of the pass's last add
-    (None: this is its first)."""
+  def Backward(self, theta, args, grads_in, added, where, training, clock=None,
+               arg_grads=True):
+    """(input grads (None without arg_grads), the token of adding the theta grads to
+    grad_sum, the time the recompute ended if a clock is given) of the chunk; `added` is the
+    token of the pass's last add (None: this is its first)."""
     where = _Variables(where)
     if added is None:
-      return self._first_backward(theta, args, grads_in, where, training, clock)
-    return self._backward(theta, args, grads_in, added, where, training, clock)
+      return self._first_backward(theta, args, grads_in, where, training, clock, arg_grads)
+    return self._backward(theta, args, grads_in, added, where, training, clock, arg_grads)
 
 
 def _Variables(where):
@@ -327,10 +330,13 @@ class Pass:
     first_example: where this replica's rows start in the whole batch.
     split: the (micro-batch, chunk) pairs whose backward is split into B and W.
     tracer: a StepTracer, or None.
+    need_input_grads: whether a caller uses the gradients of the first chunk's
+      arguments (MergedInputGradients); without, the first chunk's backward skips
+      them: the projection that makes them is one of the chunk's matmuls.
   """
 
   def __init__(self, layer, replica, thetas, micro_args, remat, keep_inputs, step,
-               first_example, split=frozenset(), tracer=None):
+               first_example, split=frozenset(), tracer=None, need_input_grads=True):
     self.layer = layer
     self.replica = replica
     self.training = py_utils.CurrentContext().training
@@ -348,6 +354,7 @@ class Pass:
     self.keep_inputs = keep_inputs
     self.split = split
     self.tracer = tracer
+    self.need_input_grads = need_input_grads
     self.num_chunks = len(thetas)
     self.num_micro_batches = len(micro_args)
     self.inputs = {(m, 0): args for m, args in enumerate(micro_args)}
@@ -458,6 +465,9 @@ class Pass:
     no_act_grads = tf.nest.map_structure(lambda _: None, self.acts[key])
     return (self.out_grads.pop(key), self.act_grads.pop(key, no_act_grads))
 
+  def _WantsArgGrads(self, c):
+    return c > 0 or self.need_input_grads
+
   def _HandOn(self, m, c, d_args):
     if c > 0:
       self.out_grads[(m, c - 1)] = d_args
@@ -471,7 +481,8 @@ class Pass:
     fprop = functools.partial(self.layer.CellFProp, c)
     calls = layer_tapes.LayerTapes() if split else None
     with tape, py_utils.Context(updates=updates, layer_tapes=calls):
-      _Watch(tape, self.thetas[c], args)
+      # Watched, an argument's gradient is taken even if not asked for.
+      _Watch(tape, self.thetas[c], args if self._WantsArgGrads(c) else ())
       targets = fprop(self.thetas[c], args) if calls is None else calls.Run(
           fprop, self.thetas[c], args)
     return tape, args, targets, calls
@@ -501,7 +512,8 @@ class Pass:
     grads_in = self._GradsIn(m, c)
     if (m, c) in self.tapes:
       tape, args, targets, _, grads_in, start = self._FromForwardTape(device, m, c, grads_in)
-      d_args, d_theta = _CellGradients(tape, targets, grads_in, args, self.thetas[c])
+      d_args, d_theta = _CellGradients(tape, targets, grads_in,
+                                       args if self._WantsArgGrads(c) else None, self.thetas[c])
       self.theta_grads[c] = _Accumulate(self.functions[c].grad_sum, self.thetas[c], d_theta,
                                         self.theta_grads[c])
       recomputed = None
@@ -512,7 +524,7 @@ class Pass:
       clock = None if self.tracer is None else self.tracer.clocks[device]
       d_args, self.theta_grads[c], recomputed = self.functions[c].Backward(
           self.thetas[c], args, grads_in, self.theta_grads[c], self._Where(m), self.training,
-          clock)
+          clock, self._WantsArgGrads(c))
     self._HandOn(m, c, d_args)
     return self._End(device, action, start, (d_args, self.theta_grads[c]), recomputed)
 
@@ -526,11 +538,15 @@ class Pass:
     else:
       tape, args, targets, calls, grads_in, start, recomputed = self._Recompute(
           device, m, c, grads_in)
+    wanted = args if self._WantsArgGrads(c) else ()
     (d_args, adjoints), _ = _CellGradients(tape, targets, grads_in,
-                                           args=(args, calls.Adjointed()))
+                                           args=(wanted, calls.Adjointed()))
     self.pending_w[(m, c)] = (calls, adjoints)
+    d_args = d_args if self._WantsArgGrads(c) else None
     self._HandOn(m, c, d_args)
-    return self._End(device, action, start, d_args, recomputed)
+    # The device's next action waits for the adjoints too: a first chunk's B may have no
+    # input gradient to wait for.
+    return self._End(device, action, start, (d_args, adjoints), recomputed)
 
   def _WeightGrad(self, action, device):
     """W: the weight gradients, layer call by layer call, added to the chunk's sum."""
@@ -588,6 +604,9 @@ class Pass:
       self.SetMicroBatchOutputGradients(m, outs[m], acts[m])
 
   def MergedInputGradients(self):
+    if not self.need_input_grads:
+      raise ValueError('This pass was made with need_input_grads=False: its first chunk '
+                       'did not take the gradients of its arguments.')
     return microbatch.Merge([self.input_grads[m] for m in range(self.num_micro_batches)],
                             self.layer.params.batch_dim)
 
@@ -602,7 +621,7 @@ class Replicas:
   """
 
   def __init__(self, layer, thetas, args, num_micro_batches, remat, step, keep_inputs=True,
-               split=frozenset(), tracer=None):
+               split=frozenset(), tracer=None, need_input_grads=True):
     self._layer = layer
     batch_dim = layer.params.batch_dim
     parts = microbatch.Split(args, layer.num_replicas, batch_dim) if (
@@ -611,7 +630,8 @@ class Replicas:
     self.passes = [
         Pass(layer, r, layer.ReplicaThetas(thetas, r),
              microbatch.Split(part, num_micro_batches, batch_dim), remat, keep_inputs, step,
-             first_example=first, split=split, tracer=tracer)
+             first_example=first, split=split, tracer=tracer,
+             need_input_grads=need_input_grads)
         for r, (part, first) in enumerate(zip(parts, firsts))]
 
   def Execute(self, actions, on_loss=None):

@@ -346,8 +346,10 @@ class PipeliningLayer(base_layer.BaseLayer):
     sched = self._Schedule(num)
     split = {(s.action.micro_batch, s.action.chunk) for s in sched.steps
              if s.action.kind == schedule_lib.WEIGHT_GRAD}
+    # Only `before` layers take the gradients of the cells' arguments.
     run = executor.Replicas(self, self._ChunkThetas(theta), args, num, self.params.remat,
-                            self._Step(), split=split, tracer=self._Tracer())
+                            self._Step(), split=split, tracer=self._Tracer(),
+                            need_input_grads=before_tape is not None)
     metrics = []  # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
     micro_loss_fn = None if sched.whole_batch_loss else metrics_lib.MicroBatchLoss(
         loss_fn, num * self.num_replicas, rows, self.params.batch_dim, self.params.schedule)
@@ -373,7 +375,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     # The backward differentiated value * weight of each call: divide by the total weight.
     scale = 1.0 / merged.loss[1]
     grads = py_utils.NestedMap(
-        before=self._BeforeGradients(theta, before_tape, args, run.MergedInputGradients()),
+        before=theta.before if before_tape is None else self._BeforeGradients(
+            theta, before_tape, args, run.MergedInputGradients()),
         cell=run.theta_grads).Transform(lambda g: g * tf.cast(scale, g.dtype))
     loss = merged if metrics[0][1] else merged.loss[0]
     return (loss, grads, self._Result(*run.MergedOutputs())) if with_outputs else (loss, grads)
@@ -434,8 +437,6 @@ class PipeliningLayer(base_layer.BaseLayer):
     return args, tape
 
   def _BeforeGradients(self, theta, tape, args, d_args):
-    if tape is None:
-      return theta.before
     pairs = [(a, g) for a, g in zip(tf.nest.flatten(args), tf.nest.flatten(d_args))
              if g is not None]
     with tf.device(self._devices[0]):
