@@ -5,6 +5,7 @@ import itertools
 import pytest
 
 from lingvo_gpipe.core import schedule
+from lingvo_gpipe.core import simulator
 
 A = schedule.Action
 F, B, W, BW, L = 'F', 'B', 'W', 'BW', 'L'
@@ -132,13 +133,21 @@ def testMemoryOfEachScheduleIsFlatInMicroBatches(k):
       assert schedule.Schedule('1f1b', k, m).MaxInFlight(stage) == one_f_one_b
       zb_h1 = schedule.Schedule('zb_h1', k, m)
       assert zb_h1.MaxInFlight(stage) == one_f_one_b
-      assert zb_h1.MaxPendingWeightGrads(stage) <= k
+      assert zb_h1.MaxPendingWeightGrads(stage) == stage + 1
       zb_h2 = schedule.Schedule('zb_h2', k, m)
       assert zb_h2.MaxInFlight(stage) == min(2 * (k - stage) - 1, m)
       assert zb_h2.MaxPendingWeightGrads(stage) <= k
       zbv = schedule.Schedule('zbv', k, m, 2)  # Half-size chunks: 2K is 1F1B's first device.
       assert zbv.MaxInFlight(stage) <= 2 * k and zbv.MaxPendingWeightGrads(stage) <= 3 * k
       assert schedule.Schedule('gpipe', k, m).MaxInFlight(stage) == m
+
+
+@pytest.mark.parametrize('k', range(1, 9))
+def testZbH1HoldsAtMostKMicroBatchesBetweenForwardAndWeightGradient(k):
+  """ZB-H1's memory is 1F1B's first device's on every device, for every M (M < K too)."""
+  for m in range(1, 65):
+    held, pending = simulator.Orders('zb_h1', k, m).HeldCounts()
+    assert (held + pending).max() == min(k, m), (k, m)
 
 
 def testPlacements():
@@ -153,8 +162,9 @@ def testPrintedGrid():
       'stage0    F0  F1   .   .   . BW1 BW1 BW0 BW0',
       'stage1     .  F0  F1 BW1 BW1 BW0 BW0   .   .',
   ]
+  # 1F1B's order, each BW split, device k running W(m - k) after B(m).
   assert str(schedule.Schedule('zb_h1', 2, 3)).splitlines()[1:] == [
-      'stage0   F0 F1  . B0 F2 B1 W0 W1 B2 W2',
+      'stage0   F0 F1  . B0 W0 F2 B1 W1 B2 W2',
       'stage1    . F0 B0 F1 B1 W0 F2 B2 W1 W2',
   ]
   grid = str(schedule.Schedule('zbv', 2, 1, 2)).splitlines()

@@ -129,13 +129,14 @@ def testPeakActivationMemoryIsWhatIsHeldAtOnce(name, v, m):
 
 
 def testZeroBubbleHeldAndPendingPeakApart():
-  """ZB-H1's first device holds at most 7 micro-batch chunks at once (K=4), not its most
-  held (4) plus its most pending (4), whatever M."""
+  """ZB-H1 (K=4) holds at most 4 micro-batch chunks at once on every device, whatever M:
+  device k holds up to K - k between F and B and up to k + 1 pending Ws, not both at once."""
   for m in (8, 16, 32, 64):
     got = simulator.Simulate(simulator.Orders('zb_h1', 4, m), activation_bytes=1,
                              weight_grad_bytes=1)
-    assert got.max_in_flight[0] == 4 and got.max_pending_weight_grads[0] == 4
-    assert got.peak_activation_bytes.tolist() == [7, 6, 5, 4]
+    assert got.max_in_flight.tolist() == [4, 3, 2, 1]
+    assert got.max_pending_weight_grads.tolist() == [1, 2, 3, 4]
+    assert got.peak_activation_bytes.tolist() == [4, 4, 4, 4]
 
 
 def testLargePipelineInSeconds():

@@ -72,7 +72,8 @@ flags.DEFINE_list('remat_every', [], "N values of a sweep of cell_remat_policy='
                   'empty: no such sweep.')
 flags.DEFINE_list('remat_stages', ['1', '2'], 'K values of the every_N sweep.')
 flags.DEFINE_integer('steps', 2, 'Steps measured per point (the largest peak and the median '
-                     'time are kept).')
+                     'time are kept); with --schedules, those of the largest M, and a smaller '
+                     'M runs as many micro-batches.')
 flags.DEFINE_integer('inter_op_threads', 1, 'Ops run at once; 1 makes the fit\'s premise hold.')
 flags.DEFINE_bool('per_device', False, 'With --schedules: run each point on K worker '
                   'processes (tools/local_cluster.py), each one device with its own allocator, '
@@ -190,11 +191,19 @@ def _ScheduleSweep(base):
   def Rows(m):
     return FLAGS.micro_batch_rows * int(m) if FLAGS.micro_batch_rows else base['rows']
 
+  # Every point runs the micro-batches of --steps steps at the largest M: how the devices'
+  # peaks line up varies from step to step, and each micro-batch is another chance of the
+  # worst line-up, so fewer steps would understate a smaller M's peak.
+  most = max(map(int, FLAGS.micro_batches))
+
+  def Steps(m):
+    return -(-base['steps'] * most // int(m))
+
   # The plain model on the first point's batch.
   points = [dict(base, stages=0, micro_batches=1, schedule='gpipe', sweep='plain',
                  rows=Rows(FLAGS.micro_batches[0]))] + [
       dict(base, stages=k, micro_batches=int(m), schedule=sched, sweep='schedule', rows=Rows(m),
-           per_device=FLAGS.per_device)
+           per_device=FLAGS.per_device, steps=Steps(m))
       for sched in FLAGS.schedules for m in FLAGS.micro_batches]
   results = []
   for i, config in enumerate(points, 1):
@@ -210,7 +219,7 @@ def _ScheduleSweep(base):
   columns = [('schedule', lambda r: r['schedule']), ('M', lambda r: r['micro_batches']),
              ('fullest device peak MB' if FLAGS.per_device else 'peak MB',
               lambda r: f"{r['peak_mb']:.2f}"),
-             ('rows', lambda r: r['rows']),
+             ('rows', lambda r: r['rows']), ('steps', lambda r: r['steps']),
              (f'x M={FLAGS.micro_batches[0]}', lambda r: f"{r['vs_first_m']:.2f}")]
   if FLAGS.per_device:
     columns += [('each device MB', lambda r: ' / '.join(f'{x:.2f}' for x in r['device_peaks_mb'])),

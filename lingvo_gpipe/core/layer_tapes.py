@@ -8,7 +8,9 @@ chunk's forward records its own ops on a tape of its own (its children's ops
 go on theirs): B takes, in the one walk it makes anyway, the gradients of every
 call's outputs and of the inputs it hands its children (`Adjointed`), and W
 takes each call's weight gradients from its own ops alone (`WeightGradients`):
-a projection's W is one matmul, and the chain is walked once.
+a projection's W is one matmul, and the chain is walked once. (A call that
+chains weights in its own ops, relu(x @ w1) @ w2, walks back between them in
+its W again: one matmul more per chained weight than child calls cost.)
 
 Exact whatever a layer does with weights. Every op is on the tape of the
 innermost call running it, and activations cross from one call's ops to

@@ -77,7 +77,8 @@ def _Held(schedule, num_stages, num_micro_batches):
   """[P, 2]: each (micro-batches held between forward and input gradient, pending weight
   gradients) that a stage holds at once under `schedule`, of every stage after each action,
   those no other pair exceeds in both. A stage's memory peaks at one of them: the two
-  counts peak apart (ZB-H1, K=4: 7 at once, not 4 + 4)."""
+  counts peak apart (ZB-H1, K=4: 4 at once on every device, not 4 held + 1 pending on the
+  first or 1 + 4 on the last)."""
   held, pending = simulator.Orders(schedule, num_stages, num_micro_batches).HeldCounts()
   # Most held first (and, for equal held, most pending): a pair is kept when its pending
   # exceeds that of every pair before it.

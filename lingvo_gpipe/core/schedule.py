@@ -114,6 +114,30 @@ def _OneFOneB(num_stages, num_micro_batches, virtual_stages, placement):
   return orders
 
 
+def _ZbH1(num_stages, num_micro_batches, placement):
+  """ZB-H1 (Qi et al. 2024): 1F1B's order with each backward split, device k running
+  W(m - k) right after B(m) and its last k Ws at the end.
+
+  Each device then has at most K micro-batches between F and W, 1F1B's first
+  device's count (the greedy run below, which fills bubbles with any pending W,
+  reaches 2K - 1), at the same unit-cost bubble: (K-1) / (3M + K-1) from M = K on.
+  """
+  orders = []
+  for k, order in enumerate(_OneFOneB(num_stages, num_micro_batches, 1, placement)):
+    split = []
+    for a in order:
+      if a.kind != BACKWARD:
+        split.append(a)
+        continue
+      split.append(Action(INPUT_GRAD, a.micro_batch, a.chunk))
+      if a.micro_batch >= k:
+        split.append(Action(WEIGHT_GRAD, a.micro_batch - k, a.chunk))
+    split += [Action(WEIGHT_GRAD, m, k)
+              for m in range(max(num_micro_batches - k, 0), num_micro_batches)]
+    orders.append(split)
+  return orders
+
+
 class _ZeroBubble:
   """Orders of a greedy unit-time run, the zero-bubble heuristic.
 
@@ -122,8 +146,8 @@ class _ZeroBubble:
   chunks' activations (forwarded, input gradient not yet taken) and fewer than
   `cap` pending Ws, else its oldest pending W: Ws fill the bubbles. Among ready
   Fs the deepest chunk goes first. The limits set the activation memory (1F1B's
-  for ZB-H1 and ZB-V, about twice it for ZB-H2); the cap bounds what pending Ws
-  hold, so neither grows with M.
+  for ZB-V, about twice it for ZB-H2); the cap bounds what pending Ws hold, so
+  neither grows with M.
   """
 
   def __init__(self, num_stages, num_micro_batches, placement, limits, cap):
@@ -196,9 +220,10 @@ def _Orders(name, num_stages, num_micro_batches, virtual_stages, placement):
     return _FillDrain(num_stages, num_micro_batches, placement)
   if name in ('1f1b', 'interleaved_1f1b'):
     return _OneFOneB(num_stages, num_micro_batches, virtual_stages, placement)
+  if name == 'zb_h1':
+    return _ZbH1(num_stages, num_micro_batches, placement)
   k = range(num_stages)
-  limits = {'zb_h1': [num_stages - i for i in k],  # 1F1B's activations per device.
-            'zb_h2': [2 * (num_stages - i) - 1 for i in k],
+  limits = {'zb_h2': [2 * (num_stages - i) - 1 for i in k],
             'zbv': [2 * num_stages for _ in k]}[name]  # Half-size chunks: 1F1B's first device.
   return _ZeroBubble(num_stages, num_micro_batches, placement, limits, num_stages).Run()
 

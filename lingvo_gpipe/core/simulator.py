@@ -72,8 +72,8 @@ class OrderArrays:
   def HeldCounts(self):
     """([K, S] micro-batch chunks held between forward and input gradient, [K, S] pending
     Ws) after each action of each device. A device's memory peaks where their weighted sum
-    does: in ZB-H1 the two maxima do not coincide (K=4: 7 at once on the first device, not
-    4 + 4)."""
+    does: in ZB-H1 the two maxima do not coincide (K=4: 4 at once on every device, not 4
+    held + 1 pending on the first or 1 + 4 on the last)."""
     return (self._Live({FORWARD: 1, INPUT_GRAD: -1, BACKWARD: -1}),
             self._Live({INPUT_GRAD: 1, WEIGHT_GRAD: -1}))
 
