@@ -6,9 +6,9 @@ other hardware (--speedup); --transfer_ms adds a hand-over per stage boundary.
 For each schedule and (K, M) it prints the predicted step time, bubble (and
 the unit-cost theory), micro-batches in flight and peak activation memory per
 device, and the seconds the orders and the simulation took (numpy; fill-drain at
-K=1024, M=8192 in about half a minute, most of it building the orders). The
-zero-bubble orders come from a greedy run in Python: keep them to K x M of a
-few tens of thousands (K=64, M=512 takes seconds). Schedules with two chunks
+K=1024, M=8192 in about half a minute, most of it building the orders). ZB-V's
+order comes from a greedy run in Python: keep it to K x M of a few tens of
+thousands (K=64, M=512 takes seconds). Schedules with two chunks
 per device (interleaved_1f1b, zbv) split each stage's costs between its chunks.
 
   python tools/simulate_schedule.py --stages=1024 --micro_batches=8192

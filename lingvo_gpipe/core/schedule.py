@@ -85,21 +85,25 @@ def _InterleavedChunks(num_stages, num_micro_batches, virtual_stages, k, backwar
   return out
 
 
-def _OneFOneB(num_stages, num_micro_batches, virtual_stages, placement):
+def _OneFOneB(num_stages, num_micro_batches, virtual_stages, placement, warmups=None):
   """1F1B, interleaved over v chunks per device (v = 1: plain 1F1B).
 
   Device k first runs its warm-up forwards, (K - k - 1) * 2 + (v - 1) * K as
-  Megatron's interleaved schedule does (K - k - 1 for v = 1), then alternates a
-  forward and a backward, then runs the remaining backwards. A micro-batch's
-  loss follows its forward on the last chunk.
+  Megatron's interleaved schedule does (K - k - 1 for v = 1; `warmups[k]` if
+  given), then alternates a forward and a backward, then runs the remaining
+  backwards. A micro-batch's loss follows its forward on the last chunk.
   """
   last = len(placement) - 1
   orders = []
   for k in range(num_stages):
     forwards = _InterleavedChunks(num_stages, num_micro_batches, virtual_stages, k, False)
     backwards = _InterleavedChunks(num_stages, num_micro_batches, virtual_stages, k, True)
-    warmup = (num_stages - k - 1) if virtual_stages == 1 else (
-        (num_stages - k - 1) * 2 + (virtual_stages - 1) * num_stages)
+    if warmups:
+      warmup = warmups[k]
+    elif virtual_stages == 1:
+      warmup = num_stages - k - 1
+    else:
+      warmup = (num_stages - k - 1) * 2 + (virtual_stages - 1) * num_stages
     warmup = min(warmup, len(forwards))
     steps = [(FORWARD, x) for x in forwards[:warmup]]
     for i, x in enumerate(forwards[warmup:]):
@@ -114,40 +118,65 @@ def _OneFOneB(num_stages, num_micro_batches, virtual_stages, placement):
   return orders
 
 
-def _ZbH1(num_stages, num_micro_batches, placement):
-  """ZB-H1 (Qi et al. 2024): 1F1B's order with each backward split, device k running
-  W(m - k) right after B(m) and its last k Ws at the end.
-
-  Each device then has at most K micro-batches between F and W, 1F1B's first
-  device's count (the greedy run below, which fills bubbles with any pending W,
-  reaches 2K - 1), at the same unit-cost bubble: (K-1) / (3M + K-1) from M = K on.
-  """
-  orders = []
-  for k, order in enumerate(_OneFOneB(num_stages, num_micro_batches, 1, placement)):
+def _SplitBackwards(orders, delays, num_micro_batches):
+  """Each device k's BW(m) becomes B(m) then W(m - delays[k]); its last delays[k] Ws end
+  its order. A device then holds delays[k] + 1 pending Ws at most."""
+  split_orders = []
+  for k, order in enumerate(orders):
     split = []
     for a in order:
       if a.kind != BACKWARD:
         split.append(a)
         continue
       split.append(Action(INPUT_GRAD, a.micro_batch, a.chunk))
-      if a.micro_batch >= k:
-        split.append(Action(WEIGHT_GRAD, a.micro_batch - k, a.chunk))
+      if a.micro_batch >= delays[k]:
+        split.append(Action(WEIGHT_GRAD, a.micro_batch - delays[k], a.chunk))
     split += [Action(WEIGHT_GRAD, m, k)
-              for m in range(max(num_micro_batches - k, 0), num_micro_batches)]
-    orders.append(split)
-  return orders
+              for m in range(max(num_micro_batches - delays[k], 0), num_micro_batches)]
+    split_orders.append(split)
+  return split_orders
+
+
+def _ZbH1(num_stages, num_micro_batches, placement):
+  """ZB-H1 (Qi et al. 2024): 1F1B's order with each backward split, device k running
+  W(m - k) right after B(m) and its last k Ws at the end.
+
+  Each device then has at most K micro-batches between F and W, 1F1B's first
+  device's count (a greedy run that fills bubbles with any pending W reaches
+  2K - 1), at the unit-cost bubble (K-1) / (3M + K-1) from M = K on.
+  """
+  orders = _OneFOneB(num_stages, num_micro_batches, 1, placement)
+  return _SplitBackwards(orders, list(range(num_stages)), num_micro_batches)
+
+
+def _ZbH2(num_stages, num_micro_batches, placement):
+  """ZB-H2 (Qi et al. 2024): ZB-H1 with 2(K - k) - 2 warm-up forwards on device k and its
+  Ws delayed by up to 2k, so that a device's tail is Ws that wait for nobody.
+
+  Every device holds at most 2K - 1 micro-batches between F and W (the paper's
+  bound). At unit costs the bubble is ZB-H1's (the least one step allows); when
+  W is cheaper than B or hand-overs take time it is smaller: at K=4, M=8 with
+  B 1.2, W 0.8 and a 0.2 hand-over (F = 1), 0.149 against ZB-H1's 0.216. With
+  few micro-batches (M < 3K - 3) the delays shrink, as many Ws at the end would
+  lengthen the step.
+  """
+  warmups = [2 * (num_stages - k) - 2 for k in range(num_stages)]
+  delays = [min(2 * k, k + max(0, num_micro_batches - 2 * num_stages + 2))
+            for k in range(num_stages)]
+  orders = _OneFOneB(num_stages, num_micro_batches, 1, placement, warmups)
+  return _SplitBackwards(orders, delays, num_micro_batches)
 
 
 class _ZeroBubble:
-  """Orders of a greedy unit-time run, the zero-bubble heuristic.
+  """Orders of a greedy unit-time run, the zero-bubble heuristic (ZB-V's two chunks).
 
   At each time, a free device first takes a ready B (the device before it
   waits for it), else a ready F while it holds fewer than limits[k] micro-batch
   chunks' activations (forwarded, input gradient not yet taken) and fewer than
   `cap` pending Ws, else its oldest pending W: Ws fill the bubbles. Among ready
-  Fs the deepest chunk goes first. The limits set the activation memory (1F1B's
-  for ZB-V, about twice it for ZB-H2); the cap bounds what pending Ws hold, so
-  neither grows with M.
+  Fs the deepest chunk goes first. The limits set the activation memory (for
+  ZB-V, 1F1B's first device's); the cap bounds what pending Ws hold, so neither
+  grows with M.
   """
 
   def __init__(self, num_stages, num_micro_batches, placement, limits, cap):
@@ -222,9 +251,9 @@ def _Orders(name, num_stages, num_micro_batches, virtual_stages, placement):
     return _OneFOneB(num_stages, num_micro_batches, virtual_stages, placement)
   if name == 'zb_h1':
     return _ZbH1(num_stages, num_micro_batches, placement)
-  k = range(num_stages)
-  limits = {'zb_h2': [2 * (num_stages - i) - 1 for i in k],
-            'zbv': [2 * num_stages for _ in k]}[name]  # Half-size chunks: 1F1B's first device.
+  if name == 'zb_h2':
+    return _ZbH2(num_stages, num_micro_batches, placement)
+  limits = [2 * num_stages] * num_stages  # ZB-V's half-size chunks: 1F1B's first device.
   return _ZeroBubble(num_stages, num_micro_batches, placement, limits, num_stages).Run()
 
 
