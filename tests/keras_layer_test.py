@@ -186,3 +186,40 @@ def testJitCompiledCells():
   for key_a, key_b in (((False, False, 2), (True, False, 2)), ((True, True, 1), (True, True, 4))):
     for a, b in zip(results[key_a], results[key_b]):
       np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('sched', ['zb_h1', 'zb_h2'])
+def testSplitBackwardOfAKerasLayerThatChainsWeightsWalksNoChainAgain(sched):
+  """A zero-bubble W of a Keras layer with several weights in one call (a Sequential of two
+  Dense) runs only the weight gradients' matmuls: a step costs the plain model's matmuls
+  per micro-batch, and gives the plain model's gradients."""
+  from gpipe_test import _MatMulsRun  # pylint: disable=g-import-not-at-top
+  block = keras_layer.KerasLayer.Params().Set(layer=lambda: keras.Sequential(
+      [keras.layers.Dense(16, activation='relu'), keras.layers.Dense(8)]), input_shape=[8])
+  pipe = _Pipe([block.Copy().Set(name=f'block{i}') for i in range(4)], num_stages=2,
+               num_micro_batches=2, schedule=sched, remat='never')
+
+  def Loss(y):
+    return tf.reduce_sum(y ** 2)
+
+  @tf.function
+  def Plain(x):
+    with tf.GradientTape() as tape:
+      for cell, theta in zip(pipe.cell, pipe.theta.cell):
+        x = cell.FProp(theta, x)
+      loss = Loss(x)
+    return loss, tape.gradient(loss, pipe.theta)
+
+  @tf.function
+  def Step(x):
+    return pipe.ForwardBackward(pipe.theta, x, Loss)
+
+  spec = tf.TensorSpec([8, 8])
+  plain = _MatMulsRun(Plain.get_concrete_function(spec).graph)
+  assert plain == 4 * 2 + 4 * 4 - 1  # Forward 2 per block, backward 4 but the input's.
+  assert _MatMulsRun(Step.get_concrete_function(spec).graph) == 2 * plain
+  x = _Input([8, 8])
+  (loss, grads), (ref_loss, ref_grads) = Step(x), Plain(x)
+  np.testing.assert_allclose(loss.numpy(), ref_loss.numpy(), rtol=1e-5)
+  for g, r in zip(tf.nest.flatten(grads), tf.nest.flatten(ref_grads)):
+    np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-5, atol=1e-6)

@@ -4,25 +4,29 @@ A zero-bubble schedule splits a chunk's backward into B, the input gradient the
 stage before waits for, and W, the weight gradient, run later to fill a bubble.
 Taken from the chunk's tape, W walks the chunk's chain of activation gradients
 a second time (B + W then cost 1.5 fused backwards). Here each layer call of the
-chunk's forward records its own ops on a tape of its own (its children's ops
-go on theirs): B takes, in the one walk it makes anyway, the gradients of every
-call's outputs and of the inputs it hands its children (`Adjointed`), and W
-takes each call's weight gradients from its own ops alone (`WeightGradients`):
-a projection's W is one matmul, and the chain is walked once. (A call that
-chains weights in its own ops, relu(x @ w1) @ w2, walks back between them in
-its W again: one matmul more per chained weight than child calls cost.)
+chunk's forward is recorded on its own: B takes, in the one walk it makes
+anyway, the gradients W will start from (`Adjointed`), and W takes each call's
+weight gradients from its own ops alone (`WeightGradients`), so the chain is
+walked once and a projection's W is one matmul.
 
-Exact whatever a layer does with weights. Every op is on the tape of the
-innermost call running it, and activations cross from one call's ops to
-another's through an identity: the inputs a call hands a child on the caller's
-tape, the child's outputs on the child's. Those identities are used only across
-the border, so their gradients are what flows across it, and each call's
-gradients from them count its own ops exactly once. The theta a child receives
-needs none: W runs the calls children first, and a child's weight gradients,
-from its own ops alone, go to its caller as the gradients of the tensors it
-handed on, so a weight read in the caller's own ops (outside its layer), handed
-to another layer, or made into another tensor first (a transposed embedding)
-gets its gradient through the caller's ops, down to the chunk's own theta.
+Traced in a graph (as a pipeline step is), W starts at each call's frontier
+(`_Frontier`): the own ops where its weights meet anything else, a matmul or a
+bias add, differentiated alone, so a layer that chains weights in its own ops
+(relu(x @ w1) @ w2, a Keras Sequential) costs its W no more than child calls
+would. Run eagerly, each call's ops go on a tape of its own, and W walks that
+tape back from the call's outputs and the inputs it handed its children (then
+a call that chains weights walks back between them again: one matmul more per
+chained weight).
+
+Exact whatever a layer does with weights. Each call reads its own copies of
+the theta it received (identities on its caller's tape), so the ops reading
+them are its own and its children's copies, and activations cross from one
+call's ops to another's through an identity: the inputs a call hands a child on
+the caller's tape, the child's outputs on the child's. W runs the calls children
+first, and a child's weight gradients go to its caller as the gradients of its
+copies, so a weight read in the caller's own ops (outside its layer), handed to
+another layer, or made into another tensor first (a transposed embedding) gets
+its gradient through the caller's ops, down to the chunk's own theta.
 """
 
 import contextlib
@@ -43,22 +47,106 @@ def _Identities(structure):
 
 
 class _Call:
-  """One layer call: its tape, the theta it watches, the identities on its tape that
-  cross to other calls' ops (its outputs, what it handed its children)."""
+  """One layer call: the float theta it received and its own copies of it (the
+  identities its ops read), its tape, the identities that cross to other calls' ops
+  (its outputs, what it handed its children) and, traced in a graph, where its W
+  starts (`_Frontier`)."""
 
-  def __init__(self, theta):
-    # The float tensors of the theta it received, each once: a tensor given twice must
-    # not hand its gradient on twice.
-    self.theta = list({x.ref(): x for x in _Floats(theta)}.values())
+  def __init__(self, received, copies):
+    self.received = _Floats(received)
+    self.theta = _Floats(copies)
     self.tape = tf.GradientTape(watch_accessed_variables=False)
     self.outputs = []
     self.handed_inputs = []  # Children's float inputs, as identities on this call's tape.
-    self.children = []  # The calls it made.
+    self.children = []  # The calls it made that have weights.
+    self.frontier = None  # Traced in a graph: its _Frontier.
     self.theta_grads = None  # Filled by W: the gradients of `theta` (None where unused).
+
+  def Adjointed(self):
+    if self.frontier is not None:
+      return self.frontier.Adjointed()
+    return self.outputs + self.handed_inputs
+
+  def WeightGradients(self, adjoints):
+    """Fills theta_grads from the gradients of Adjointed(), after its children's."""
+    children = [(x, g) for child in self.children
+                for x, g in zip(child.theta, child.theta_grads) if g is not None]
+    if self.frontier is not None:
+      self.theta_grads = self.frontier.WeightGradients(self, adjoints, children)
+      return
+    pairs = [(x, g) for x, g in zip(self.Adjointed(), adjoints) if g is not None] + children
+    pairs = [(x, tf.cast(g, x.dtype)) for x, g in pairs]
+    self.theta_grads = self.tape.gradient(
+        [x for x, _ in pairs], self.theta,
+        output_gradients=[g for _, g in pairs]) if pairs else [None] * len(self.theta)
+
+
+class _Frontier:
+  """Where a call's own ops first combine its weights with anything else (a matmul, a
+  bias add), found in the graph from the consumers of the call's theta copies, which
+  only its own ops and its children's copies read.
+
+  Weight-only ops (a cast, a transpose) extend the weights; a weight-only tensor
+  that leaves the call (an output, an input handed to a child) is an exit. B
+  takes the gradients of the frontier ops' outputs (and of the exits) in its one
+  walk; W differentiates each frontier op alone, its other inputs held constant,
+  then the weight-only ops down to theta: the activation chain is not walked
+  again, however many weights a layer chains in its own ops.
+  """
+
+  def __init__(self, call):
+    leaving = {x.ref() for x in call.outputs + call.handed_inputs}
+    copies = {x.ref() for child in call.children for x in child.theta}
+    derived = {x.ref() for x in call.theta}
+    queue, ops = list(call.theta), {}
+    while queue:
+      for op in queue.pop().consumers():
+        if any(o.ref() in copies for o in op.outputs):
+          continue  # A child's copy of its theta: W gets its gradient from the child.
+        ops[op.name] = op
+        if all(x.ref() in derived or x.op.type == 'Const' for x in op.inputs):
+          fresh = [o for o in op.outputs if o.ref() not in derived]
+          derived.update(o.ref() for o in fresh)
+          queue += [o for o in fresh if o.ref() not in leaving]
+    self.ops = []  # (float outputs, weight-derived float inputs, other float inputs).
+    for op in ops.values():
+      if all(o.ref() in derived for o in op.outputs):
+        continue
+      inputs = [x for x in op.inputs if x.dtype.is_floating]
+      self.ops.append(([o for o in op.outputs if o.dtype.is_floating],
+                       _Unique(x for x in inputs if x.ref() in derived),
+                       _Unique(x for x in inputs if x.ref() not in derived)))
+    self.exits = [x for x in call.outputs + call.handed_inputs if x.ref() in derived]
+
+  def Adjointed(self):
+    return [o for outputs, _, _ in self.ops for o in outputs] + self.exits
+
+  def WeightGradients(self, call, adjoints, children_pairs):
+    """call.theta's gradients: each frontier op's, from its outputs' adjoints, to its
+    weight-derived inputs; then all of those, the exits' and the children's copies'
+    down through the weight-only ops."""
+    adjoints = iter(adjoints)
+    pairs = []
+    for outputs, weights, others in self.ops:
+      given = [(o, g) for o, g in zip(outputs, adjoints) if g is not None]
+      if given and weights:
+        grads = tf.gradients([o for o, _ in given], weights, grad_ys=[g for _, g in given],
+                             stop_gradients=others)
+        pairs += [(w, g) for w, g in zip(weights, grads) if g is not None]
+    pairs += [(x, g) for x, g in zip(self.exits, adjoints) if g is not None]
+    pairs += children_pairs
+    if not pairs:
+      return [None] * len(call.theta)
+    return tf.gradients([x for x, _ in pairs], call.theta,
+                        grad_ys=[tf.cast(g, x.dtype) for x, g in pairs])
+
+
+def _Unique(tensors):
+  return list({x.ref(): x for x in tensors}.values())
 
 
 class LayerTapes:
-  """Records each layer call of one chunk's forward on a tape of its own (module doc).
+  """Records each layer call of one chunk's forward for a split B and W (module doc).
 
   The chunk's forward runs as the root call `Run(cell_fprop, theta, args)` with
   this object in the FProp context (py_utils.Context(layer_tapes=...)); every
@@ -73,7 +161,8 @@ class LayerTapes:
   def Run(self, fprop, theta, *args, **kwargs):
     """fprop(theta, *args, **kwargs) as a call of its own, inside the running call."""
     caller = self._open[-1] if self._open else None
-    call = _Call(theta)
+    copies = _Identities(theta)  # On the caller's tape.
+    call = _Call(theta, copies)
     if caller is None:
       self._root = call
     else:
@@ -86,31 +175,30 @@ class LayerTapes:
       call.tape.watch(call.theta)
       self._open.append(call)
       try:
-        out = _Identities(fprop(theta, *args, **kwargs))
+        out = _Identities(fprop(copies, *args, **kwargs))
       finally:
         self._open.pop()
     call.outputs = _Floats(out)
     if call.theta:
+      if not tf.executing_eagerly():
+        call.frontier = _Frontier(call)
       self._calls.append(call)
     return out
 
   def Adjointed(self):
     """The tensors whose gradients (w.r.t. the chunk's outputs) W needs, which B takes."""
-    return [x for call in self._calls for x in call.outputs + call.handed_inputs]
+    return [x for call in self._calls for x in call.Adjointed()]
 
   def WeightGradients(self, adjoints, theta):
     """The root call's theta gradients, shaped like `theta` (zeros where unused), from
     the gradients of Adjointed() in its order."""
     adjoints = iter(adjoints)
     for call in self._calls:
-      pairs = [(x, next(adjoints)) for x in call.outputs + call.handed_inputs]
-      pairs += [(x, g) for child in call.children
-                for x, g in zip(child.theta, child.theta_grads) if g is not None]
-      pairs = [(x, tf.cast(g, x.dtype)) for x, g in pairs if g is not None]
-      call.theta_grads = call.tape.gradient(
-          [x for x, _ in pairs], call.theta, output_gradients=[g for _, g in pairs]) if (
-              pairs) else [None] * len(call.theta)
-    root = dict(zip((x.ref() for x in self._root.theta), self._root.theta_grads or []))
+      call.WeightGradients([next(adjoints) for _ in call.Adjointed()])
+    root = {}
+    for x, g in zip(self._root.received, self._root.theta_grads or []):
+      if g is not None:  # A tensor given twice gets both copies' gradients.
+        root[x.ref()] = g + root[x.ref()] if x.ref() in root else g
 
     def Grad(x):
       g = root.get(x.ref()) if isinstance(x, tf.Tensor) else None
