@@ -48,6 +48,8 @@ def testSummaryOfAHandMadeTimeline():
   assert summary.theoretical_bubble == pytest.approx(schedule.TheoreticalBubble(2, 2))
   # Median stage costs F=1, B=2 and the 0.5 hand-over reproduce the timeline: same bubble.
   assert summary.simulated_bubble == pytest.approx(0.4)
+  assert summary.chunk_costs == {'F': [1, 1], 'B': [0, 0], 'W': [0, 0], 'BW': [2, 2]}
+  assert summary.hand_over_times == pytest.approx([0.5])
   stage0, stage1 = summary.devices
   assert (stage0.forward, stage0.recompute, stage0.backward) == pytest.approx((2, 2, 2))
   assert (stage1.forward, stage1.recompute, stage1.backward) == pytest.approx((2, 0, 4))

@@ -27,7 +27,9 @@ stages, and the speed-up's ratio to it; then the bubble of --bubble_steps
 separately run forward-backward steps with the pipeline's statistics on (the
 median), next to its simulation with the measured stage and hand-over costs
 and the schedule's unit-cost bubble (F, B and W one unit each; fill-drain's is
-1/(M+1)). Prints a markdown table, then the JSON.
+1/(M+1)), and the costs the simulation took: each chunk's median F, B, W or BW
+milliseconds and each boundary's median hand-over. Prints a markdown table,
+then the JSON.
 """
 
 import json
@@ -168,7 +170,8 @@ def _Bubble(config, device, pipe):
 
   summary = bench_utils.MeasureBubble(bench_utils.MeasuredStep(tf, Body), config['bubble_steps'])
   return dict(bubble=summary['bubble_fraction'], bubble_simulated=summary['simulated_bubble'],
-              bubble_theory=summary['theoretical_bubble'])
+              bubble_theory=summary['theoretical_bubble'], chunk_costs=summary['chunk_costs'],
+              hand_over_times=summary['hand_over_times'])
 
 
 def _Config(**extra):
@@ -188,6 +191,15 @@ def _Table(pipelines):
   def Bubble(key):
     return lambda p: f'{p[key]:.3f}' if key in p else '-'
 
+  def Costs(p):
+    """Median ms of each action kind that ran, per chunk, and of the hand-overs."""
+    if 'chunk_costs' not in p:
+      return '-'
+    kinds = [k for k, costs in p['chunk_costs'].items() if any(costs)]
+    chunks = ' / '.join(' '.join(f'{k} {p["chunk_costs"][k][c] * 1e3:.0f}' for k in kinds)
+                        for c in range(len(p['chunk_costs']['F'])))
+    return chunks + ' / hand-over ' + ' '.join(f'{t * 1e3:.1f}' for t in p['hand_over_times'])
+
   return bench_utils.MarkdownTable(pipelines, [
       ('schedule', lambda p: p['schedule']),
       ('M', lambda p: p['micro_batches']),
@@ -199,7 +211,8 @@ def _Table(pipelines):
       ('ideal 2M/(M+1)', lambda p: f'{Ideal(p):.2f}'),
       ('speed-up / ideal', lambda p: f'{Speedup(p) / Ideal(p):.2f}'),
       ('bubble measured', Bubble('bubble')), ('simulated', Bubble('bubble_simulated')),
-      ('unit-cost', Bubble('bubble_theory'))])
+      ('unit-cost', Bubble('bubble_theory')),
+      ('ms per chunk (median action)', Costs)])
 
 
 def _Interleaved(spec, cases):

@@ -9,13 +9,14 @@ anyway, the gradients W will start from (`Adjointed`), and W takes each call's
 weight gradients from its own ops alone (`WeightGradients`), so the chain is
 walked once and a projection's W is one matmul.
 
-Traced in a graph (as a pipeline step is), W starts at each call's frontier
-(`_Frontier`): the own ops where its weights meet anything else, a matmul or a
-bias add, differentiated alone, so a layer that chains weights in its own ops
-(relu(x @ w1) @ w2, a Keras Sequential) costs its W no more than child calls
-would. Run eagerly, each call's ops go on a tape of its own, and W walks that
-tape back from the call's outputs and the inputs it handed its children (then
-a call that chains weights walks back between them again: one matmul more per
+Each call's ops go on a tape of its own. Traced in a graph (as a pipeline step
+is), W starts at each call's frontier (`_Frontier`): the own ops where its
+weights meet anything else, a matmul or a bias add, differentiated alone, so a
+layer that chains weights in its own ops (relu(x @ w1) @ w2, a Keras
+Sequential) costs its W no more than child calls would. Run eagerly, or for a
+call that reads one weight tensor in two of its own ops, W walks the call's
+tape back from its outputs and the inputs it handed its children (then a call
+that chains weights walks back between them again: one matmul more per
 chained weight).
 
 Exact whatever a layer does with weights. Each call reads its own copies of
@@ -55,7 +56,8 @@ class _Call:
   def __init__(self, received, copies):
     self.received = _Floats(received)
     self.theta = _Floats(copies)
-    self.tape = tf.GradientTape(watch_accessed_variables=False)
+    # Persistent: W may take several gradients from it (_Frontier).
+    self.tape = tf.GradientTape(persistent=True, watch_accessed_variables=False)
     self.outputs = []
     self.handed_inputs = []  # Children's float inputs, as identities on this call's tape.
     self.children = []  # The calls it made that have weights.
@@ -89,56 +91,65 @@ class _Frontier:
   Weight-only ops (a cast, a transpose) extend the weights; a weight-only tensor
   that leaves the call (an output, an input handed to a child) is an exit. B
   takes the gradients of the frontier ops' outputs (and of the exits) in its one
-  walk; W differentiates each frontier op alone, its other inputs held constant,
-  then the weight-only ops down to theta: the activation chain is not walked
-  again, however many weights a layer chains in its own ops.
+  walk; W takes each frontier op's gradient w.r.t. its weight inputs alone, then
+  those down the weight-only ops to theta, on the call's tape: the activation
+  chain is not walked again, however many weights a layer chains in its own ops.
+  That is exact while each weight tensor feeds one op: then no path back from a
+  frontier op through its activations reaches its own weight inputs. `Find`
+  returns None for a call that uses one twice (a weight read by two matmuls).
   """
 
-  def __init__(self, call):
+  def __init__(self, ops, derived, exits):
+    self.ops = []  # (float outputs, weight-derived float inputs).
+    for op in ops:
+      if not all(o.ref() in derived for o in op.outputs):
+        self.ops.append(([o for o in op.outputs if o.dtype.is_floating],
+                         _Unique(x for x in op.inputs
+                                 if x.ref() in derived and x.dtype.is_floating)))
+    self.exits = exits
+
+  @classmethod
+  def Find(cls, call):
     leaving = {x.ref() for x in call.outputs + call.handed_inputs}
     copies = {x.ref() for child in call.children for x in child.theta}
     derived = {x.ref() for x in call.theta}
     queue, ops = list(call.theta), {}
     while queue:
-      for op in queue.pop().consumers():
-        if any(o.ref() in copies for o in op.outputs):
-          continue  # A child's copy of its theta: W gets its gradient from the child.
+      t = queue.pop()
+      readers = [op for op in t.consumers()
+                 if not any(o.ref() in copies | leaving for o in op.outputs)]
+      if len(readers) > 1:
+        return None
+      for op in readers:  # Children's copies and exits take their gradients from outside.
         ops[op.name] = op
-        if all(x.ref() in derived or x.op.type == 'Const' for x in op.inputs):
-          fresh = [o for o in op.outputs if o.ref() not in derived]
+        fresh = [o for o in op.outputs if o.ref() not in derived]
+        if fresh and all(x.ref() in derived or x.op.type == 'Const' for x in op.inputs):
           derived.update(o.ref() for o in fresh)
-          queue += [o for o in fresh if o.ref() not in leaving]
-    self.ops = []  # (float outputs, weight-derived float inputs, other float inputs).
-    for op in ops.values():
-      if all(o.ref() in derived for o in op.outputs):
-        continue
-      inputs = [x for x in op.inputs if x.dtype.is_floating]
-      self.ops.append(([o for o in op.outputs if o.dtype.is_floating],
-                       _Unique(x for x in inputs if x.ref() in derived),
-                       _Unique(x for x in inputs if x.ref() not in derived)))
-    self.exits = [x for x in call.outputs + call.handed_inputs if x.ref() in derived]
+          queue += fresh
+    exits = [x for x in call.outputs + call.handed_inputs if x.op.inputs and
+             x.op.inputs[0].ref() in derived]
+    return cls(ops.values(), derived, exits)
 
   def Adjointed(self):
-    return [o for outputs, _, _ in self.ops for o in outputs] + self.exits
+    return [o for outputs, _ in self.ops for o in outputs] + self.exits
 
   def WeightGradients(self, call, adjoints, children_pairs):
     """call.theta's gradients: each frontier op's, from its outputs' adjoints, to its
-    weight-derived inputs; then all of those, the exits' and the children's copies'
-    down through the weight-only ops."""
+    weight inputs; then those, the exits' and the children's copies' down to theta."""
     adjoints = iter(adjoints)
     pairs = []
-    for outputs, weights, others in self.ops:
+    for outputs, weights in self.ops:
       given = [(o, g) for o, g in zip(outputs, adjoints) if g is not None]
       if given and weights:
-        grads = tf.gradients([o for o, _ in given], weights, grad_ys=[g for _, g in given],
-                             stop_gradients=others)
+        grads = call.tape.gradient([o for o, _ in given], weights,
+                                   output_gradients=[g for _, g in given])
         pairs += [(w, g) for w, g in zip(weights, grads) if g is not None]
     pairs += [(x, g) for x, g in zip(self.exits, adjoints) if g is not None]
     pairs += children_pairs
     if not pairs:
       return [None] * len(call.theta)
-    return tf.gradients([x for x, _ in pairs], call.theta,
-                        grad_ys=[tf.cast(g, x.dtype) for x, g in pairs])
+    return call.tape.gradient([x for x, _ in pairs], call.theta,
+                              output_gradients=[tf.cast(g, x.dtype) for x, g in pairs])
 
 
 def _Unique(tensors):
@@ -181,7 +192,7 @@ class LayerTapes:
     call.outputs = _Floats(out)
     if call.theta:
       if not tf.executing_eagerly():
-        call.frontier = _Frontier(call)
+        call.frontier = _Frontier.Find(call)
       self._calls.append(call)
     return out
 

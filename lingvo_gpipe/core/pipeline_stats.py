@@ -243,6 +243,10 @@ class Summary:
   theoretical_bubble: float
   simulated_bubble: float
   devices: list
+  # What the simulation took: per chunk, the median seconds of each action kind ('F', 'B',
+  # 'W', 'BW'; 0 where none ran), and per chunk boundary the median hand-over seconds.
+  chunk_costs: dict
+  hand_over_times: list
 
   def AsDict(self):
     return dataclasses.asdict(self)
@@ -291,16 +295,19 @@ def Summarize(timeline, schedule=None):
         busy=busy, idle=window - busy))
   idle = sum(d.idle for d in devices)
   sizes = (timeline.num_stages, timeline.num_micro_batches, timeline.virtual_stages)
-  forward, input_grad, weight_grad, backward = timeline.ChunkCosts()
+  costs = timeline.ChunkCosts()
+  forward, input_grad, weight_grad, backward = costs
+  hand_over = timeline.HandOverTimes()
   return Summary(
       schedule=schedule, num_stages=timeline.num_stages,
       num_micro_batches=timeline.num_micro_batches, num_replicas=timeline.num_replicas,
       step_time=window, bubble_fraction=idle / (len(devices) * window) if window > 0 else 0.0,
       theoretical_bubble=schedule_lib.Schedule(schedule, *sizes).BubbleFraction(),
       simulated_bubble=simulator.Simulate(
-          simulator.Orders(schedule, *sizes), forward, backward, timeline.HandOverTimes(),
+          simulator.Orders(schedule, *sizes), forward, backward, hand_over,
           input_grad_cost=input_grad, weight_grad_cost=weight_grad).bubble_fraction,
-      devices=devices)
+      devices=devices, chunk_costs=dict(zip(_KINDS, costs.tolist())),
+      hand_over_times=hand_over.tolist())
 
 
 def ChromeTrace(timeline, device_names=None):
