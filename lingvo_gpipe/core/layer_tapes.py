@@ -110,17 +110,17 @@ class _Frontier:
 
   @classmethod
   def Find(cls, call):
-    leaving = {x.ref() for x in call.outputs + call.handed_inputs}
-    copies = {x.ref() for child in call.children for x in child.theta}
+    # Children's copies of their theta and the call's exits take gradients from outside.
+    outside = {x.ref() for x in call.outputs + call.handed_inputs} | {
+        x.ref() for child in call.children for x in child.theta}
     derived = {x.ref() for x in call.theta}
     queue, ops = list(call.theta), {}
     while queue:
-      t = queue.pop()
-      readers = [op for op in t.consumers()
-                 if not any(o.ref() in copies | leaving for o in op.outputs)]
+      readers = [op for op in queue.pop().consumers()
+                 if not any(o.ref() in outside for o in op.outputs)]
       if len(readers) > 1:
         return None
-      for op in readers:  # Children's copies and exits take their gradients from outside.
+      for op in readers:
         ops[op.name] = op
         fresh = [o for o in op.outputs if o.ref() not in derived]
         if fresh and all(x.ref() in derived or x.op.type == 'Const' for x in op.inputs):
