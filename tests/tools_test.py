@@ -134,15 +134,18 @@ def testBadFlagsStopBeforeAnythingRuns(tool, args, message):
 
 
 def testMemoryCurvesPerDeviceMeasuresEachWorkerOnItsOwn(tmp_path):
-  """--per_device: each stage a worker process whose allocator logs its peak."""
+  """--per_device: each stage a worker process whose allocator logs its peak; every M runs
+  as many micro-batches as --steps steps at the largest M."""
   out, _ = _Finish(_Start('memory_curves', '--schedules=zb_h1', '--per_device', '--layers=2',
-                          '--width=32', '--hidden=64', '--fixed_stages=2', '--micro_batches=2',
+                          '--width=32', '--hidden=64', '--fixed_stages=2', '--micro_batches=1,2',
                           '--micro_batch_rows=8', '--steps=1', '--remat=never',
                           f'--json_out={tmp_path}/m.json'))
   with open(tmp_path / 'm.json') as f:
-    plain, point = json.load(f)['points']
+    plain, one, point = json.load(f)['points']
   assert plain['sweep'] == 'plain' and point['per_device']
-  assert plain['rows'] == point['rows'] == 16  # The plain model on the first point's batch.
+  assert (one['steps'], point['steps']) == (2, 1)
+  assert one['device_at_once'] == [1, 1]
+  assert plain['rows'] == one['rows'] == 8 and point['rows'] == 16  # Plain: the first batch.
   assert len(point['device_peaks_mb']) == 2 and min(point['device_peaks_mb']) > 0
   assert point['peak_mb'] == max(point['device_peaks_mb'])
   # ZB-H1, K=2, M=2: device 0 holds F0 and F1 before B0; device 1 holds F1 and B0's pending W.
