@@ -253,4 +253,10 @@ def testClusterBenchmark(runs):
     assert point['step_s'] > 0 and 0 <= point['bubble'] <= 1
     assert point['bubble_theory'] == pytest.approx(
         schedule.Schedule(point['schedule'], 2, point['micro_batches']).BubbleFraction())
+    # The costs the simulation took: per chunk (2), per boundary (1).
+    assert len(point['chunk_costs']['F']) == 2 and len(point['hand_over_times']) == 1
+    split = point['schedule'] == 'zb_h1'
+    assert all(point['chunk_costs']['W' if split else 'BW']) and not any(
+        point['chunk_costs']['BW' if split else 'W'])
+  assert ' W ' in table[-1] and 'hand-over' in table[-1]
   assert '[9/9]' in err  # Progress: 5 baselines and 4 pipelines.

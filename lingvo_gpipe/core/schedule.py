@@ -120,7 +120,8 @@ def _OneFOneB(num_stages, num_micro_batches, virtual_stages, placement, warmups=
 
 def _SplitBackwards(orders, delays, num_micro_batches):
   """Each device k's BW(m) becomes B(m) then W(m - delays[k]); its last delays[k] Ws end
-  its order. A device then holds delays[k] + 1 pending Ws at most."""
+  its order. A device then holds delays[k] + 1 pending Ws at most. One chunk per device:
+  device k's chunk is k."""
   split_orders = []
   for k, order in enumerate(orders):
     split = []
