@@ -70,17 +70,18 @@ class _Call:
     return self.outputs + self.handed_inputs
 
   def WeightGradients(self, adjoints):
-    """Fills theta_grads from the gradients of Adjointed(), after its children's."""
-    children = [(x, g) for child in self.children
-                for x, g in zip(child.theta, child.theta_grads) if g is not None]
+    """Fills theta_grads from the gradients of Adjointed(), after its children's: from
+    (tensor, gradient) pairs on this call's tape down to its theta copies."""
     if self.frontier is not None:
-      self.theta_grads = self.frontier.WeightGradients(self, adjoints, children)
-      return
-    pairs = [(x, g) for x, g in zip(self.Adjointed(), adjoints) if g is not None] + children
-    pairs = [(x, tf.cast(g, x.dtype)) for x, g in pairs]
+      pairs = self.frontier.WeightPairs(self.tape, adjoints)
+    else:
+      pairs = [(x, g) for x, g in zip(self.Adjointed(), adjoints) if g is not None]
+    pairs += [(x, g) for child in self.children
+              for x, g in zip(child.theta, child.theta_grads) if g is not None]
     self.theta_grads = self.tape.gradient(
         [x for x, _ in pairs], self.theta,
-        output_gradients=[g for _, g in pairs]) if pairs else [None] * len(self.theta)
+        output_gradients=[tf.cast(g, x.dtype) for x, g in pairs]) if pairs else [
+            None] * len(self.theta)
 
 
 class _Frontier:
@@ -133,23 +134,18 @@ class _Frontier:
   def Adjointed(self):
     return [o for outputs, _ in self.ops for o in outputs] + self.exits
 
-  def WeightGradients(self, call, adjoints, children_pairs):
-    """call.theta's gradients: each frontier op's, from its outputs' adjoints, to its
-    weight inputs; then those, the exits' and the children's copies' down to theta."""
+  def WeightPairs(self, tape, adjoints):
+    """(weight-derived tensor, gradient) pairs from the gradients of Adjointed(): each
+    frontier op's gradient w.r.t. its weight inputs alone, and the exits'."""
     adjoints = iter(adjoints)
     pairs = []
     for outputs, weights in self.ops:
       given = [(o, g) for o, g in zip(outputs, adjoints) if g is not None]
       if given and weights:
-        grads = call.tape.gradient([o for o, _ in given], weights,
-                                   output_gradients=[g for _, g in given])
+        grads = tape.gradient([o for o, _ in given], weights,
+                              output_gradients=[g for _, g in given])
         pairs += [(w, g) for w, g in zip(weights, grads) if g is not None]
-    pairs += [(x, g) for x, g in zip(self.exits, adjoints) if g is not None]
-    pairs += children_pairs
-    if not pairs:
-      return [None] * len(call.theta)
-    return call.tape.gradient([x for x, _ in pairs], call.theta,
-                              output_gradients=[tf.cast(g, x.dtype) for x, g in pairs])
+    return pairs + [(x, g) for x, g in zip(self.exits, adjoints) if g is not None]
 
 
 def _Unique(tensors):
