@@ -124,6 +124,19 @@ def testZeroBubbleReachesTheOneStepBoundFromMEqualsK(k):
       assert zbv < bound
 
 
+@pytest.mark.parametrize('k, m', [(2, 3), (2, 9), (3, 4), (4, 9), (5, 7), (6, 8), (7, 9),
+                                  (8, 12)])
+def testZbvReachesItsBoundWhenMIsNotAMultipleOfK(k, m):
+  """(K-1) / (6M + K-1) in half-size units: device K-1 cannot start before K-1 of them. A
+  greedy run that let each device K pending Ws left more idle in all of these cases (e.g.
+  K=6, M=8: 0.172), since a device at its cap ran a W while the next one waited for its F."""
+  zbv = schedule.Schedule('zbv', k, m, 2)
+  assert zbv.BubbleFraction() == pytest.approx((k - 1) / (6 * m + k - 1))
+  for stage in range(k):
+    assert zbv.MaxInFlight(stage) <= 2 * k  # Still 1F1B's first device's activations.
+    assert zbv.MaxPendingWeightGrads(stage) <= 4 * k
+
+
 @pytest.mark.parametrize('k', [2, 4, 8])
 def testMemoryOfEachScheduleIsFlatInMicroBatches(k):
   """Activations held (forward to input gradient) and pending Ws per device, M = 8..64."""
