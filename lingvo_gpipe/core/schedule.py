@@ -23,7 +23,7 @@ these actions; the simulator times them with measured costs.
 Schedules: 'gpipe' (fill-drain), '1f1b', 'interleaved_1f1b' (v chunks per
 device, placed round-robin), 'zb_h1' and 'zb_h2' (zero bubble, Qi et al. 2024:
 W fills the bubbles, with 1F1B's memory or about twice it), 'zbv' (two chunks
-per device in a V, zero bubble at 1F1B's memory). A schedule round-trips
+per device in a V, zero bubble holding 1F1B's activations). A schedule round-trips
 through text (ToText / FromText), so a user can also write their own.
 
 No TensorFlow here: schedules are tested in milliseconds and shared by the
