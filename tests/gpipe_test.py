@@ -758,6 +758,23 @@ def testAMicroBatchScheduleRefusesALossThatDoesNotDecompose():
     Step(x)
 
 
+
+@pytest.mark.parametrize('sched', ['1f1b', 'zb_h1'])
+def testAMicroBatchScheduleRefusesALossOfBatchStatisticsOfWideOutputs(sched):
+  """Wide outputs: on values of one distribution each micro-batch's mean is the batch's to
+  about 1e-5, so only a probe whose micro-batches differ tells these losses apart."""
+  width = 512
+  cells = gpipe.CellsFromEnds([layers.ProjectionLayer.Params().Set(
+      name=f'proj{i}', input_dim=DIM if i == 0 else width, output_dim=width)
+                               for i in range(2)], [1, 2])
+  pipe = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells, num_micro_batches=2,
+                                            schedule=sched, remat='never').Instantiate()
+  x = tf.random.stateless_normal([64, DIM], [1, 2])
+  for loss_fn in (lambda y: tf.square(tf.reduce_mean(y)), tf.math.reduce_variance,
+                  lambda y: tf.reduce_mean(tf.square(y - tf.reduce_mean(y, 0)))):
+    with pytest.raises(ValueError, match=r"'loss' on a whole batch .* is neither the sum"):
+      pipe.ForwardBackward(pipe.theta, x, loss_fn)
+
 def _UnevenPipe(sched, remat, num_replicas=1):
   """K=2 devices, M=4, dropout in every cell: a batch of 10 runs micro-batches 3, 3, 2, 2."""
   v = _V.get(sched, 1)

@@ -48,15 +48,23 @@ def _IsPair(value):
   return isinstance(value, (tuple, list))
 
 
-def _ProbeInput(like, rows, batch_dim, rng):
-  """Random values shaped like micro-batch tensor `like`, for a batch of `rows` examples."""
+def _ProbeInput(like, sizes, batch_dim, rng):
+  """Random values shaped like micro-batch tensor `like`, for a batch of micro-batches of
+  `sizes` rows. Micro-batch i's floats lie in [0.5, 1) + i / len(sizes): positive, so logs and
+  roots of outputs stay finite, and from a range of their own, so that a loss reading batch
+  statistics (the square of a mean, a variance, centering by the batch's mean) gives a
+  whole-batch value far from any combination of its micro-batch values, however many values
+  it averages (on values of one distribution, its micro-batches' statistics agree with the
+  batch's to within the probe's tolerance)."""
   shape = like.shape.as_list()
-  shape[batch_dim] = rows
+  shape[batch_dim] = sum(sizes)
   if None in shape:
     raise ValueError(f'outputs of shape {like.shape} are not fully static')
-  if like.dtype.is_floating:  # Positive, so logs and roots of outputs stay finite.
-    return tf.constant(rng.uniform(0.5, 1.5, shape), like.dtype)
-  return tf.zeros(shape, like.dtype)
+  if not like.dtype.is_floating:
+    return tf.zeros(shape, like.dtype)
+  offsets = np.repeat(np.arange(len(sizes)) / len(sizes), sizes)
+  offsets = offsets.reshape([-1 if d == batch_dim else 1 for d in range(len(shape))])
+  return tf.constant(rng.uniform(0.5, 1.0, shape) + offsets, like.dtype)
 
 
 def _Combination(whole, parts, sizes):
@@ -117,7 +125,7 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
     sizes = microbatch.Sizes(rows, num_parts)
     with tf.init_scope():
       whole = tf.nest.map_structure(
-          lambda x: _ProbeInput(x, rows, batch_dim, rng) if isinstance(x, tf.Tensor) else x,
+          lambda x: _ProbeInput(x, sizes, batch_dim, rng) if isinstance(x, tf.Tensor) else x,
           args)
       values = [Call(*part) for part in [whole] + microbatch.Split(whole, num_parts, batch_dim)]
     for name, value in _Scalars(values[0]).items():
