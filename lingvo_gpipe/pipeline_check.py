@@ -32,6 +32,7 @@ def UnpipelinedParams(model_params):
   plain = model_params.Copy()
   for _, p in pipeline_params.Find(plain.task):
     layer_params, _ = pipeline_params.LayersAndEnds(p)
+    p.virtual_stages = 1  # One cell: one chunk on one device.
     pipeline_params.Recut(p, [len(layer_params)])
     if p.micro_batch_size is None:
       p.num_micro_batches *= p.num_replicas  # Replicas split the batch into more micro-batches.

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import tensorflow as tf
 
 from lingvo_gpipe import base_input_generator
@@ -12,6 +13,7 @@ from lingvo_gpipe import pipeline_check
 from lingvo_gpipe.core import base_layer
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers
+from lingvo_gpipe.core import pipeline_params
 from lingvo_gpipe.core import py_utils
 
 DIM = 6
@@ -79,6 +81,16 @@ def testAPipelineOfDropoutAndBatchNormPasses():
   assert 'gpipe, remat never, remat policy none, the same micro-batches' in report.Text()
   assert report.Text().endswith('PASS (tolerance 0.0001)')
 
+
+
+@pytest.mark.parametrize('sched, cut', [('zbv', [1, 2, 3, 4]), ('interleaved_1f1b', [2, 4])])
+def testAPipelineOfSeveralChunksPerDeviceIsCheckedOnOneChunk(sched, cut):
+  """The unpipelined twin is one cell: one chunk, whatever virtual_stages the pipeline has."""
+  model = _ModelParams(num_micro_batches=2, schedule=sched, virtual_stages=2)
+  pipeline_params.Recut(model.task.pipe, cut)
+  report = pipeline_check.CheckPipeline(model, num_steps=2)
+  assert report.ok and report.same_start, report.Text()
+  assert report.loss_difference < 1e-5 and report.weights[0] < 1e-5
 
 def testStatefulRandomOpsFailTheCheck():
   noisy = _StatefulNoise.Params().Set(name='noise')

@@ -295,6 +295,17 @@ def testApplyPlanToAStackAndToCells():
     planner.ApplyPlan(layers.ProjectionLayer.Params(), _PlanFor(['a'], [1]))
 
 
+
+def testApplyPlanRunsItsScheduleOnOneChunkPerDevice():
+  """A plan's ends are one cell per device: a zbv stack (two chunks per device) takes it with
+  virtual_stages 1."""
+  p = _StackParams().Set(splits=[1, 2, 3, 5], schedule='zbv', virtual_stages=2)
+  names = ['tgt_emb', 'dec0', 'dec1', 'dec2', 'softmax']
+  assert planner.ApplyPlan(p, _PlanFor(names, [2, 5]), 'task.stack')[:2] == [
+      'task.stack.virtual_stages=1 (was 2)', "task.stack.schedule='gpipe' (was 'zbv')"]
+  assert (p.virtual_stages, p.splits) == (1, [2, 5])
+  assert len(p.Instantiate().cell) == 2
+
 def testProfileLayersMeasuresBytesExactly():
   dims = [8, 16, 4]
   layer_params = [layers.ProjectionLayer.Params().Set(name=f'p{i}', input_dim=a, output_dim=b)

@@ -436,8 +436,9 @@ def LoadPlan(path):
 def ApplyPlan(params, plan, path=''):
   """Cuts every pipeline of the params tree (in place) by the plan, with its M, schedule, remat.
 
-  The plan's prediction holds for the M, schedule and re-materialization
-  (remat and cell_remat_policy) it was made for, so the pipelines take them. The layer names must be the
+  The plan's prediction holds for the M, schedule (one chunk per device: virtual_stages 1)
+  and re-materialization (remat and cell_remat_policy) it was made for, so the pipelines
+  take them. The layer names must be the
   plan's. Returns one 'path.key=new (was old)' text per value changed.
   """
   pipelines = list(pipeline_params.Find(params, path))
@@ -449,15 +450,16 @@ def ApplyPlan(params, plan, path=''):
     if names != plan.layer_names:
       raise ValueError(f'The balance plan of {plan.source or "?"} is for layers '
                        f'{plan.layer_names}, but {where or p.name} has {names}.')
-    pipeline_params.Recut(p, plan.ends)
-    wanted = dict(num_micro_batches=plan.num_micro_batches, micro_batch_size=None,
-                  schedule=plan.schedule, remat=plan.remat,
+    # A plan's schedules run one chunk per device: its ends are one cell per device.
+    wanted = dict(virtual_stages=1, num_micro_batches=plan.num_micro_batches,
+                  micro_batch_size=None, schedule=plan.schedule, remat=plan.remat,
                   cell_remat_policy=plan.remat_policy)
     for key, value in wanted.items():
       if p.Get(key) != value:
         if value is not None:
           changes.append(f'{where}.{key}={value!r} (was {p.Get(key)!r})')
         p.Set(**{key: value})
+    pipeline_params.Recut(p, plan.ends)
   return changes
 
 
