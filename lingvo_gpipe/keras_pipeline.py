@@ -77,7 +77,8 @@ class PipelineModel(keras.Model):
     num_stages: K, the number of cells and devices.
     num_micro_batches: M, the micro-batches each batch is split into.
     schedule: one of schedule.SCHEDULE_NAMES: 'gpipe' (fill-drain), '1f1b',
-      'interleaved_1f1b', 'zb_h1', 'zb_h2', 'zbv'.
+      'interleaved_1f1b', 'zb_h1', 'zb_h2', 'zbv'; or your own orders for these
+      K, M and v as a schedule text (schedule.Schedule.ToText).
     virtual_stages: v chunks per device (interleaved_1f1b: any v, its
       num_micro_batches at most num_stages or a multiple of it; zbv: 2; the
       others: 1); the layers are cut into num_stages * v chunks.
@@ -101,7 +102,7 @@ class PipelineModel(keras.Model):
     self.supports_jit = False
     layers, shape = _LayersAndShape(layers)
     # A ValueError naming a bad schedule or virtual_stages now, not at the first batch.
-    schedule_lib.Schedule(schedule, num_stages, num_micro_batches, virtual_stages)
+    schedule_lib.ForPipeline(schedule, num_stages, num_micro_batches, virtual_stages)
     self._layer_configs = [layer if isinstance(layer, dict) else keras.layers.serialize(layer)
                            for layer in layers]
     # Weights of the given layers that are built, copied in when the pipeline is built.

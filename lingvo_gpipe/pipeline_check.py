@@ -25,6 +25,7 @@ from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import learner as learner_lib
 from lingvo_gpipe.core import pipeline_params
 from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import schedule as schedule_lib
 
 
 def UnpipelinedParams(model_params):
@@ -42,8 +43,9 @@ def UnpipelinedParams(model_params):
 
 def _Describe(model_params):
   return '; '.join(
-      f'{path}: K={pipeline_params.NumStages(p)}, M={p.num_micro_batches}, {p.schedule}, '
-      f'remat {p.remat}, remat policy {p.cell_remat_policy}, R={p.num_replicas}' for path, p in
+      f'{path}: K={pipeline_params.NumStages(p)}, M={p.num_micro_batches}, '
+      f'{schedule_lib.Name(p.schedule)}, remat {p.remat}, remat policy {p.cell_remat_policy}, '
+      f'R={p.num_replicas}' for path, p in
       pipeline_params.Find(model_params.task, 'task')) or 'no pipeline in the params'
 
 

@@ -53,7 +53,7 @@ _V = {'interleaved_1f1b': 2, 'zbv': 2}
 def _Pipe(num_stages, num_micro_batches, remat='always', sched='gpipe', num_layers=8,
           layer=_Res, **kwargs):
   """K = num_stages devices holding K * v cells (v: _V's chunks per device of `sched`)."""
-  v = kwargs.pop('virtual_stages', _V.get(sched, 1))
+  v = kwargs.pop('virtual_stages', None) or _V.get(sched, 1)
   cells = gpipe.PartitionSequentialLayers([layer.Params() for _ in range(num_layers)],
                                           num_stages * v, tf.TensorShape([BATCH, DIM]),
                                           cost='params')
@@ -1245,3 +1245,41 @@ def testReplicaErrors():
     _Pipe(2, 2, num_replicas=3)
   with pytest.raises(ValueError, match='num_replicas must be a positive int, got 0'):
     _Pipe(2, 2, num_replicas=0)
+
+
+# -- a user's own schedule --------------------------------------------------------------
+
+# A user's order: ZB-H1 at K=2, M=4, but device 1 runs each W right after its B, all but the
+# last two, which end its order.
+_USER_TEXT = """schedule mine K=2 M=4 v=1
+device0: F0@0 F1@0 B0@0 W0@0 F2@0 B1@0 W1@0 F3@0 B2@0 W2@0 B3@0 W3@0
+device1: F0@1 L0@1 B0@1 W0@1 F1@1 L1@1 B1@1 W1@1 F2@1 L2@1 B2@1 F3@1 L3@1 B3@1 W2@1 W3@1
+"""
+
+
+@pytest.mark.parametrize('remat', gpipe.REMAT_MODES)
+def testAUsersOwnScheduleTextRunsAndEqualsThePlainModel(remat):
+  pipe = _Pipe(2, 4, remat, sched=_USER_TEXT)
+  assert pipe.GetSchedule(BATCH).ToText() == _USER_TEXT
+  x = _Input()
+  ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
+  loss, grads = tf.function(lambda x: pipe.ForwardBackward(pipe.theta, x, _Loss))(x)
+  assert _RelErr(loss, ref_loss) <= 1e-5
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+  _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
+
+
+def testABadScheduleFailsWhenThePipelineIsBuilt():
+  with pytest.raises(ValueError, match=r'The schedule text is for K=2 devices, M=4 '
+                     r'micro-batches, v=1 chunks per device; this pipeline runs K=2, M=8, v=1'):
+    _Pipe(2, 8, sched=_USER_TEXT)
+  with pytest.raises(ValueError, match=r'this pipeline runs K=4, M=4'):
+    _Pipe(4, 4, sched=_USER_TEXT)
+  with pytest.raises(ValueError, match=r"The orders never run W3@1"):
+    _Pipe(2, 4, sched=_USER_TEXT.replace(' W3@1', ''))
+  with pytest.raises(ValueError, match=r"schedule must be one of .* got \['1f1b'\]"):
+    _Pipe(2, 4, sched=['1f1b'], virtual_stages=1)
+  with pytest.raises(ValueError, match='num_micro_batches must be a positive int, got 0'):
+    _Pipe(2, 0, sched='1f1b')
+  with pytest.raises(ValueError, match='num_micro_batches=6 must be at most K or a multiple'):
+    _Pipe(4, 6, sched='interleaved_1f1b')

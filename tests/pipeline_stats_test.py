@@ -141,10 +141,26 @@ def testBadRecords():
     pipeline_stats.Timeline.FromRecords([_Record(0, 'X', 0, 0, 1)])
   with pytest.raises(ValueError, match='Got 2 rows of times for 1 records'):
     pipeline_stats.Timeline.FromRecords([_Record(0, 'F', 0, 0, 1)], np.zeros((2, 3)))
-  reordered = _HandRecords()
-  reordered[0], reordered[1] = reordered[1], reordered[0]  # Stage 0 ran F1 before F0.
-  with pytest.raises(ValueError, match='no known schedule order'):
-    pipeline_stats.Summarize(pipeline_stats.Timeline.FromRecords(reordered))
+
+
+def testAUsersOwnOrderIsSummarizedAsItRan():
+  """Backwards in forward order, a custom order: its unit-cost bubble is that of the orders
+  that ran, as schedule.Schedule clocks them."""
+  records = [
+      _Record(0, 'F', 0, 0, 1), _Record(0, 'F', 1, 1, 2),
+      _Record(1, 'F', 0, 1.5, 2.5), _Record(1, 'F', 1, 2.5, 3.5),
+      _Record(1, 'BW', 0, 3.5, 5.5), _Record(1, 'BW', 1, 5.5, 7.5),
+      _Record(0, 'BW', 0, 6, 8), _Record(0, 'BW', 1, 8, 10),
+  ]
+  summary = pipeline_stats.Summarize(pipeline_stats.Timeline.FromRecords(records))
+  assert summary.schedule == 'custom'
+  text = ('schedule custom K=2 M=2 v=1\n'
+          'device0: F0@0 F1@0 BW0@0 BW1@0\n'
+          'device1: F0@1 F1@1 L*@1 BW0@1 BW1@1\n')
+  assert summary.theoretical_bubble == pytest.approx(
+      schedule.Schedule.FromText(text).BubbleFraction())
+  assert summary.bubble_fraction == pytest.approx(0.4)
+  assert summary.simulated_bubble == pytest.approx(0.4)  # F=1, BW=2, hand-over 0.5.
 
 
 # -- real pipelines ---------------------------------------------------------------------

@@ -115,7 +115,8 @@ class PipeliningLayer(base_layer.BaseLayer):
              "joined by '+' whose outputs are kept (a cell holding none is one segment).")
     p.Define('schedule', 'gpipe',
              f'One of {list(schedule_lib.SCHEDULE_NAMES)}: fill-drain (also under a tape), '
-             '1F1B, interleaved 1F1B, zero-bubble H1/H2 and V (ForwardBackward).')
+             '1F1B, interleaved 1F1B, zero-bubble H1/H2 and V (ForwardBackward); or your own '
+             'orders for this K, M and v as a schedule text (schedule.Schedule.ToText).')
     p.Define('virtual_stages', 1,
              'v chunks per device: cell_tpl holds K * v cells for K devices '
              "(interleaved_1f1b: any v; zbv: 2; other schedules: 1).")
@@ -143,12 +144,14 @@ class PipeliningLayer(base_layer.BaseLayer):
         len(p.cell_tpl) % p.virtual_stages):
       raise ValueError(f'PipeliningLayer {self.path!r}: virtual_stages={p.virtual_stages!r} must '
                        f'be a positive int dividing the {len(p.cell_tpl)} cells of cell_tpl.')
-    # Checks the schedule's name and chunks per device; its placement of chunks on devices.
-    self._placement = schedule_lib.Schedule(p.schedule, self.num_stages, 1,
-                                            p.virtual_stages).placement
     if p.micro_batch_size is not None and p.num_micro_batches != 1:
       raise ValueError(f'Set num_micro_batches ({p.num_micro_batches}) or micro_batch_size '
                        f'({p.micro_batch_size}), not both.')
+    # A bad schedule, chunks per device or M fails here, not at the first batch; the
+    # schedule places the chunks on the devices.
+    self._placement = schedule_lib.ForPipeline(
+        p.schedule, self.num_stages, None if p.micro_batch_size else p.num_micro_batches,
+        p.virtual_stages).placement
     if not isinstance(p.num_replicas, int) or p.num_replicas < 1:
       raise ValueError(f'num_replicas must be a positive int, got {p.num_replicas!r}.')
     self._devices = devices_lib.StageDevices(self.num_stages, p.devices, p.allow_device_reuse,
@@ -269,8 +272,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     return self._Schedule(self.NumMicroBatches(batch_size))
 
   def _Schedule(self, num_micro_batches):
-    return schedule_lib.Schedule(self.params.schedule, self.num_stages, num_micro_batches,
-                                 self.params.virtual_stages)
+    return schedule_lib.ForPipeline(self.params.schedule, self.num_stages, num_micro_batches,
+                                    self.params.virtual_stages)
 
   def CellFProp(self, c, theta, args):
     """Chunk c's (output argument tuple, fetched activations) in the fprop dtype."""
@@ -352,7 +355,8 @@ class PipeliningLayer(base_layer.BaseLayer):
                             need_input_grads=before_tape is not None)
     metrics = []  # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
     micro_loss_fn = None if sched.whole_batch_loss else metrics_lib.MicroBatchLoss(
-        loss_fn, num * self.num_replicas, rows, self.params.batch_dim, self.params.schedule)
+        loss_fn, num * self.num_replicas, rows, self.params.batch_dim,
+        schedule_lib.Name(self.params.schedule))
 
     def OnLoss(one, m):
       if one is None:  # L(*): the whole batch's loss, once over every replica.
@@ -476,7 +480,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     sched = self._Schedule(num)
     if not sched.whole_batch_loss:
       raise ValueError(f"FProp under a gradient tape runs fill-drain ('gpipe'); with "
-                       f"schedule={self.params.schedule!r} use ForwardBackward.")
+                       f"schedule={schedule_lib.Name(self.params.schedule)!r} use ForwardBackward.")
     actions = [s.action for s in sched.steps]
     loss_at = next(i for i, a in enumerate(actions) if a.kind == schedule_lib.LOSS)
     step = self._Step()

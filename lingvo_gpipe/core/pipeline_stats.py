@@ -154,26 +154,30 @@ class Timeline:
     placement[self.chunk] = self.stage
     return placement
 
-  def Schedule(self):
-    """The schedule.py schedule whose per-device orders the actions ran in (record order)."""
-    runs = {}
+  def Orders(self):
+    """The simulator.OrderArrays the devices ran (record order; the first replica's)."""
+    orders = [[] for _ in range(self.num_stages)]
     for replica, stage, kind, m, c in zip(self.replica.tolist(), self.stage.tolist(),
                                           self.kind.tolist(), self.micro_batch.tolist(),
                                           self.chunk.tolist()):
-      runs.setdefault((replica, stage), []).append((kind, m, c))
+      if replica == 0:
+        orders[stage].append(schedule_lib.Action(_KINDS[kind], m, c))
+    return simulator.ToArrays(orders, self.Placement())
+
+  def Schedule(self):
+    """The name of the schedule whose per-device orders the actions ran in, or 'custom'
+    (a user's own orders)."""
+    ran = self.Orders()
     for name in schedule_lib.SCHEDULE_NAMES:
       try:
         orders = simulator.Orders(name, self.num_stages, self.num_micro_batches,
                                   self.virtual_stages)
-      except ValueError:  # Another number of chunks per device.
+      except ValueError:  # Another number of chunks per device, or of micro-batches.
         continue
-      expected = [list(zip(orders.kind[k, :n].tolist(), orders.micro_batch[k, :n].tolist(),
-                           orders.chunk[k, :n].tolist()))
-                  for k, n in enumerate(orders.length)]
-      if all(run == expected[stage] for (_, stage), run in runs.items()):
+      if all(np.array_equal(getattr(orders, f), getattr(ran, f))
+             for f in ('kind', 'micro_batch', 'chunk', 'length', 'placement')):
         return name
-    raise ValueError(f'The actions ran in no known schedule order '
-                     f'({list(schedule_lib.SCHEDULE_NAMES)}); per device: {runs}.')
+    return 'custom'
 
   def ChunkCosts(self):
     """[4, C] median duration of each action kind (simulator.FORWARD.. BACKWARD) per chunk,
@@ -294,7 +298,7 @@ def Summarize(timeline, schedule=None):
         backward=float(np.sum(timeline.end[bwd] - timeline.start[bwd])) - recompute,
         busy=busy, idle=window - busy))
   idle = sum(d.idle for d in devices)
-  sizes = (timeline.num_stages, timeline.num_micro_batches, timeline.virtual_stages)
+  orders = timeline.Orders()
   costs = timeline.ChunkCosts()
   forward, input_grad, weight_grad, backward = costs
   hand_over = timeline.HandOverTimes()
@@ -302,9 +306,10 @@ def Summarize(timeline, schedule=None):
       schedule=schedule, num_stages=timeline.num_stages,
       num_micro_batches=timeline.num_micro_batches, num_replicas=timeline.num_replicas,
       step_time=window, bubble_fraction=idle / (len(devices) * window) if window > 0 else 0.0,
-      theoretical_bubble=schedule_lib.Schedule(schedule, *sizes).BubbleFraction(),
+      theoretical_bubble=simulator.Simulate(  # Unit costs: Schedule.BubbleFraction's.
+          orders, 1.0, 2.0, input_grad_cost=1.0, weight_grad_cost=1.0).bubble_fraction,
       simulated_bubble=simulator.Simulate(
-          simulator.Orders(schedule, *sizes), forward, backward, hand_over,
+          orders, forward, backward, hand_over,
           input_grad_cost=input_grad, weight_grad_cost=weight_grad).bubble_fraction,
       devices=devices, chunk_costs=dict(zip(_KINDS, costs.tolist())),
       hand_over_times=hand_over.tolist())

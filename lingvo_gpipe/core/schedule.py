@@ -24,7 +24,8 @@ Schedules: 'gpipe' (fill-drain), '1f1b', 'interleaved_1f1b' (v chunks per
 device, placed round-robin), 'zb_h1' and 'zb_h2' (zero bubble, Qi et al. 2024:
 W fills the bubbles, with 1F1B's memory or about twice it), 'zbv' (two chunks
 per device in a V, zero bubble holding 1F1B's activations). A schedule round-trips
-through text (ToText / FromText), so a user can also write their own.
+through text (ToText / FromText), so a user can also write their own and give its
+text as a pipeline's schedule (ForPipeline).
 
 No TensorFlow here: schedules are tested in milliseconds and shared by the
 runtime, the simulator and the planner.
@@ -426,6 +427,40 @@ def Orders(name, num_stages, num_micro_batches, virtual_stages=1):
         f'{num_micro_batches + num_stages - num_micro_batches % num_stages}).')
   placement = _Placement(name, num_stages, virtual_stages)
   return _Orders(name, num_stages, num_micro_batches, virtual_stages, placement), placement
+
+
+def IsText(schedule):
+  """Whether a pipeline's `schedule` is a schedule's text (Schedule.ToText), not a name."""
+  return isinstance(schedule, str) and schedule.lstrip().startswith('schedule ')
+
+
+def Name(schedule):
+  """A pipeline's `schedule` for messages: the name, or the name a text's first line gives."""
+  return f'{schedule.split()[1]} (text)' if IsText(schedule) else schedule
+
+
+def ForPipeline(schedule, num_stages, num_micro_batches, virtual_stages):
+  """The Schedule a pipeline of K devices with v chunks each runs on M micro-batches.
+
+  `schedule` is a name (SCHEDULE_NAMES) or a user's own orders in ToText's format,
+  which are checked and must be for this K, M and v. num_micro_batches None (not
+  known before the batch) checks what can be: a name at M=1, a text at its own M.
+  """
+  if not isinstance(schedule, str):
+    raise ValueError(f'schedule must be one of {list(SCHEDULE_NAMES)} or a schedule text '
+                     f'(Schedule.ToText), got {schedule!r}.')
+  if not IsText(schedule):
+    return Schedule(schedule, num_stages, 1 if num_micro_batches is None else num_micro_batches,
+                    virtual_stages)
+  sched = Schedule.FromText(schedule)
+  got = (sched.num_stages, sched.num_micro_batches, sched.virtual_stages)
+  want = (num_stages, sched.num_micro_batches if num_micro_batches is None else
+          num_micro_batches, virtual_stages)
+  if got != want:
+    raise ValueError(f'The schedule text is for K={got[0]} devices, M={got[1]} micro-batches, '
+                     f'v={got[2]} chunks per device; this pipeline runs K={want[0]}, '
+                     f'M={want[1]}, v={want[2]}.')
+  return sched
 
 
 class Schedule:
