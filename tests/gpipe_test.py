@@ -904,6 +904,15 @@ def testBadCellsAndDevicesAreClearErrors():
   with pytest.raises(ValueError, match=r"Device '/device:GPU:3' does not exist here"):
     gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells,
                                        devices=['/device:CPU:0', '/device:GPU:3']).Instantiate()
+  # One device per stage: 2 cells as v=2 chunks run on one device, not on the two given.
+  cpus = ['/device:CPU:0', '/device:CPU:1']
+  with pytest.raises(ValueError, match=r'Got 2 devices .* runs 1 x 1 stages .* give 1'):
+    gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells, devices=cpus,
+                                       schedule='interleaved_1f1b',
+                                       virtual_stages=2).Instantiate()
+  with pytest.raises(ValueError, match=r"devices must be a list .* the string '/device:CPU:0'"):
+    gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells,
+                                       devices='/device:CPU:0').Instantiate()
 
 
 def testACheckpointRestoresIntoAnotherCut(tmp_path):

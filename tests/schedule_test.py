@@ -232,6 +232,10 @@ def testAUsersOwnOrder():
     ('schedule x K=1 M=1 v=1\ndevice0: F0@0 X0@0', "'X0@0' is not an action"),
     ('schedule x K=1 M=1 v=1\ndevice1: F0@0', "expected 'device0: ...'"),
     ('schedule x K=2 M=1 v=1\ndevice0: F0@0 L0@0 BW0@0', 'chunk 1 of 2 has no actions'),
+    # Refused before the checker lists the 60 billion actions such an M implies.
+    ('schedule x K=1 M=20000000000 v=1\ndevice0: F0@0 L0@0 BW0@0',
+     r'M=20000000000 micro-batches through K=1 x v=1 chunks need 20000000000 forwards; the '
+     r'orders have 3 actions'),
 ])
 def testBadText(text, match):
   with pytest.raises(ValueError, match=match):

@@ -75,10 +75,18 @@ def StageDevices(num_stages, devices=None, allow_reuse=False, num_replicas=1):
     num_replicas: R data-parallel copies of the K stages.
   """
   explicit = devices is not None
+  if isinstance(devices, str):
+    raise ValueError(f'devices must be a list of device names, one per stage, got the string '
+                     f'{devices!r}.')
   devices = list(devices) if explicit else AvailableDevices()
   if explicit:
     CheckDevicesExist(devices)
   needed = num_stages * num_replicas
+  if explicit and len(devices) > needed:
+    raise ValueError(
+        f'Got {len(devices)} devices {devices}, but the pipeline runs {num_replicas} x '
+        f'{num_stages} stages (num_replicas x devices, each holding its chunks): give '
+        f'{needed}, replica-major.')
   if not devices:
     raise ValueError('No devices to place pipeline stages on.')
   if len(devices) < needed and not allow_reuse:

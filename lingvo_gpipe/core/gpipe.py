@@ -103,7 +103,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('micro_batch_size', None, 'Rows per micro-batch; if set, M = batch / this.')
     p.Define('batch_dim', 0, 'The batch dimension of every input and output tensor.')
     p.Define('devices', None,
-             'Device names, one per cell; None takes the local or cluster devices.')
+             'Device names, one per stage (a device, holding virtual_stages cells) of each '
+             'replica, replica-major: K x num_replicas; None takes the local or cluster '
+             'devices.')
     p.Define('allow_device_reuse', False,
              'Place cells round-robin when there are fewer devices than cells.')
     p.Define('remat', 'always',

@@ -546,6 +546,10 @@ class Schedule:
       if label.strip() != f'device{i}':
         raise ValueError(f"Schedule text line {i + 2}: expected 'device{i}: ...', got {line!r}.")
       orders.append([_ParseAction(token) for token in body.split()])
+    actions = sum(len(order) for order in orders)
+    if actions < m * k * v:  # Before the checker builds every action M implies.
+      raise ValueError(f'Schedule text: M={m} micro-batches through K={k} x v={v} chunks '
+                       f'need {m * k * v} forwards; the orders have {actions} actions.')
     placement = [None] * (k * v)
     for device, order in enumerate(orders):
       for a in order:
