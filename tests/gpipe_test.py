@@ -628,6 +628,30 @@ def testDropoutMasksAreRedrawnIdenticallyInRecompute(remat):
     assert _RelErr(_Loss(pipe(x)), ref_loss) > 1e-3  # Another step, other masks.
 
 
+
+@pytest.mark.parametrize('sched', ['gpipe', 'zb_h1'])
+def testTimeMajorDropoutIsThePlainRunsUnderItsBatchSlice(sched):
+  """batch_dim=1 ([T, B, D]): masks are drawn batch-major, as a plain run of the layers draws
+  them under a context whose batch slice names dimension 1 (a plain run without it takes
+  dimension 0 as the batch: other masks)."""
+  cells = [_DropoutCell().Set(name=f'cell{k}') for k in range(2)]
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=2, schedule=sched, batch_dim=1,
+      remat='never').Instantiate()
+  x = tf.random.stateless_normal([3, 6, DIM], [3, 4])
+
+  def PlainLoss(batch_slice):
+    y = x
+    with py_utils.Context(step=7, batch_slice=batch_slice):
+      for cell, th in zip(pipe.cell, pipe.theta.cell):
+        y = cell.FProp(th, y)
+    return _Loss(y)
+
+  with py_utils.Context(step=7):
+    loss, _ = pipe.ForwardBackward(pipe.theta, x, _Loss)
+  assert _RelErr(loss, PlainLoss(py_utils.BatchSlice(0, None, batch_dim=1))) <= 1e-5
+  assert _RelErr(loss, PlainLoss(None)) > 1e-3
+
 def testBatchNormMovingStatisticsEqualWholeBatch():
   """Per-micro-batch normalisation; moving averages from the whole batch, once."""
   bn = layers.BatchNormLayer.Params().Set(dim=DIM, decay=0.5)
