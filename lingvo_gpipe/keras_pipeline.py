@@ -84,6 +84,8 @@ class PipelineModel(keras.Model):
       others: 1); the layers are cut into num_stages * v chunks.
     remat: re-materialization, 'always', 'except_last' or 'never'.
     devices: device names, one per stage; None takes the local devices.
+    allow_device_reuse: place stages round-robin when there are fewer devices
+      than stages (else that is a ValueError).
     cost: how stages are balanced: 'auto' or 'flops' (an estimate per layer,
       KerasLayer.FPropMeta), 'params', 'time' (measured), or per-layer numbers.
     jit_compile: compile each cell's forward and backward step with XLA (a whole
@@ -94,8 +96,8 @@ class PipelineModel(keras.Model):
   """
 
   def __init__(self, layers, num_stages=1, num_micro_batches=1, schedule='gpipe',
-               virtual_stages=1, remat='always', devices=None, cost='auto', jit_compile=False,
-               input_shape=None, **kwargs):
+               virtual_stages=1, remat='always', devices=None, allow_device_reuse=False,
+               cost='auto', jit_compile=False, input_shape=None, **kwargs):
     super().__init__(**kwargs)
     # XLA compiles one device's work and a train step spans the stages' devices: Keras
     # then warns of and ignores compile(jit_compile=True); see jit_compile above.
@@ -110,7 +112,8 @@ class PipelineModel(keras.Model):
                            layer.built else None for layer in layers]
     self._options = dict(num_stages=num_stages, num_micro_batches=num_micro_batches,
                          schedule=schedule, virtual_stages=virtual_stages, remat=remat,
-                         devices=devices, cost=cost, jit_compile=jit_compile)
+                         devices=devices, allow_device_reuse=allow_device_reuse, cost=cost,
+                         jit_compile=jit_compile)
     self._pipeline = None
     self._output_shape = None
     shape = input_shape if input_shape is not None else shape
@@ -145,7 +148,8 @@ class PipelineModel(keras.Model):
       p = gpipe.PipeliningLayer.Params().Set(
           name='pipeline', cell_tpl=cells, num_micro_batches=opts['num_micro_batches'],
           schedule=opts['schedule'], virtual_stages=opts['virtual_stages'],
-          remat=opts['remat'], devices=opts['devices'], jit_compile=opts['jit_compile'],
+          remat=opts['remat'], devices=opts['devices'],
+          allow_device_reuse=opts['allow_device_reuse'], jit_compile=opts['jit_compile'],
           dtype=tf.as_dtype(self.variable_dtype), fprop_dtype=tf.as_dtype(self.compute_dtype))
       self._pipeline = p.Instantiate()
     self._input_shape = shape

@@ -206,6 +206,21 @@ def testScheduleAndVirtualStagesAreChecked():
       keras_pipeline.PipelineModel(_Layers(), num_stages=2, **kwargs)
 
 
+
+def testMoreStagesThanDevicesNeedAllowDeviceReuse():
+  """4 logical test devices: 8 stages are a ValueError, or round-robin when allowed."""
+  with pytest.raises(ValueError, match=r'needs 8 devices .* allow_device_reuse=True'):
+    keras_pipeline.PipelineModel(_Layers() + _Layers(), num_stages=8, input_shape=(12,))
+  keras.utils.set_random_seed(1)
+  seq = keras.Sequential([keras.Input((12,))] + _Layers() + _Layers())
+  pipe = keras_pipeline.PipelineModel(seq, num_stages=8, num_micro_batches=2,
+                                      allow_device_reuse=True)
+  ref = keras.Sequential([keras.Input((12,))] + _Layers() + _Layers())
+  ref.set_weights(seq.get_weights())
+  x, y = _Data(4 * _BATCH)
+  np.testing.assert_allclose(_Fit(pipe, x, y), _Fit(ref, x, y), rtol=1e-5)
+  assert len(set(pipe.pipeline.ReplicaDevices(0))) == 4
+
 def testWeightRegularizersAndSampleWeightsTrainLikeSequential():
   """Uneven micro-batches (16 rows, M=3) of a per-micro-batch schedule."""
   def Layers():
