@@ -1319,3 +1319,19 @@ def testABadScheduleFailsWhenThePipelineIsBuilt():
     _Pipe(2, 0, sched='1f1b')
   with pytest.raises(ValueError, match='num_micro_batches=6 must be at most K or a multiple'):
     _Pipe(4, 6, sched='interleaved_1f1b')
+
+
+@pytest.mark.parametrize('remat', gpipe.REMAT_MODES)
+def testAWholeBatchLossTextWithSplitBackwardsTrainsUnderATape(remat):
+  """L(*) after every forward, then B and W: FProp under a tape equals the plain model."""
+  text = """schedule mine K=2 M=2 v=1
+device0: F0@0 F1@0 B1@0 B0@0 W1@0 W0@0
+device1: F0@1 F1@1 L*@1 B1@1 W1@1 B0@1 W0@1
+"""
+  pipe = _Pipe(2, 2, remat, sched=text)
+  x = _Input()
+  ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
+  with tf.GradientTape() as tape:
+    loss = _Loss(pipe(x))
+  assert _RelErr(loss, ref_loss) <= 1e-5
+  _AssertGradsClose(tape.gradient(loss, pipe.trainable_variables), ref_grads)

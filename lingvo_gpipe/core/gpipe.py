@@ -81,6 +81,12 @@ class FeatureExtractionLayer(layers.SequentialLayer):
     return self.FPropAndOutputs(theta, args, self.params.act_fetch_layers)
 
 
+def _SplitBackwards(sched):
+  """(micro-batch, chunk) pairs whose backward the schedule splits into B and W."""
+  return {(s.action.micro_batch, s.action.chunk) for s in sched.steps
+          if s.action.kind == schedule_lib.WEIGHT_GRAD}
+
+
 class PipeliningLayer(base_layer.BaseLayer):
   """Runs cells on devices as a pipeline of micro-batches (GPipe).
 
@@ -349,11 +355,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     args, before_tape = self._BeforeWithTape(theta, executor.AsArgs(inputs))
     args, rows, num = self._MicroBatching(args, training=True)
     sched = self._Schedule(num)
-    split = {(s.action.micro_batch, s.action.chunk) for s in sched.steps
-             if s.action.kind == schedule_lib.WEIGHT_GRAD}
     # Only `before` layers take the gradients of the cells' arguments.
     run = executor.Replicas(self, self._ChunkThetas(theta), args, num, self.params.remat,
-                            self._Step(), split=split, tracer=self._Tracer(),
+                            self._Step(), split=_SplitBackwards(sched), tracer=self._Tracer(),
                             need_input_grads=before_tape is not None)
     metrics = []  # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
     micro_loss_fn = None if sched.whole_batch_loss else metrics_lib.MicroBatchLoss(
@@ -498,7 +502,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       run_args = executor.Replaced(flat_args, arg_pos, stopped[len(flat_theta):])
       run = executor.Replicas(self, tf.nest.pack_sequence_as(thetas, stopped[:len(flat_theta)]),
                               tf.nest.pack_sequence_as(args, run_args), num, self.params.remat,
-                              step, tracer=tracer)
+                              step, split=_SplitBackwards(sched), tracer=tracer)
       run.Execute(actions[:loss_at])
       structure = run.MergedOutputs()
       flat_out = tf.nest.flatten(structure)
