@@ -165,7 +165,9 @@ class PipelineModel(keras.Model):
     """The pipelined forward; with training=True differentiable, by fill-drain ('gpipe'
     only: fit() trains any schedule through train_step)."""
     training = bool(training)
-    step = self.optimizer.iterations if training and self.optimizer is not None else None
+    # Before compile() there is no optimizer: random ops then count their own calls.
+    optimizer = getattr(self, 'optimizer', None)
+    step = optimizer.iterations if training and optimizer is not None else None
     with py_utils.Context(training=training, step=step):
       return self._pipeline.FProp(self._pipeline.theta, inputs)
 

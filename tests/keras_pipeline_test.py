@@ -145,6 +145,23 @@ def testWeightsMoveBetweenSequentialAndPipeline():
                              seq.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
 
 
+def testATrainingCallBeforeCompileIsDifferentiableLikeSequential():
+  """model(x, training=True) needs no optimizer: batch norm normalizes by the batch,
+  and the gradients under a tape are the Sequential's."""
+  keras.utils.set_random_seed(5)
+  seq = keras.Sequential([keras.Input((12,))] + _Layers(batch_norm=True))
+  pipe = keras_pipeline.PipelineModel(seq, num_stages=2, num_micro_batches=1)
+  x, _ = _Data(16)
+  outputs, grads = [], []
+  for model in (pipe, seq):
+    with tf.GradientTape() as tape:
+      outputs.append(model(x, training=True))
+      loss = tf.reduce_sum(tf.square(outputs[-1]))
+    grads.append([g.numpy() for g in tape.gradient(loss, model.trainable_weights)])
+  np.testing.assert_allclose(*outputs, rtol=1e-5, atol=1e-6)
+  assert _RelativeDifference(*grads) < 1e-5
+
+
 def testCallbacksValidationSaveLoadAndExport(tmp_path):
   # Built on its first batch: the layers do not say their input shape.
   pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=2)
