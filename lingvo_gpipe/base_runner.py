@@ -145,6 +145,8 @@ class PipelineStats:
   trace_dir: if set, each measured step's Chrome trace goes to
     <trace_dir>/pipeline_trace_<step>.json.
   device_names: {(replica, stage): device name}, the trace's track names.
+  schedule: the schedule's label in logs and summaries; '' reads it off the
+    actions (pipeline_stats.Timeline.Schedule).
 
   The first measured step traces and first runs its function: its times are
   not written (they would show as a spike); statistics start at the second.
@@ -153,10 +155,11 @@ class PipelineStats:
   step_fn: object
   trace_dir: str = ''
   device_names: dict = dataclasses.field(default_factory=dict)
+  schedule: str = ''
 
 
 def _WritePipelineStats(writer, step, timeline, stats):
-  summary = pipeline_stats_lib.Summarize(timeline)
+  summary = pipeline_stats_lib.Summarize(timeline, stats.schedule or None)
   WriteScalars(writer, step, summary.Scalars())
   if stats.trace_dir:
     pipeline_stats_lib.WriteChromeTrace(

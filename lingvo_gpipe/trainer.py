@@ -63,6 +63,7 @@ from lingvo_gpipe.core import memory_stats
 from lingvo_gpipe.core import pipeline_params
 from lingvo_gpipe.core import planner
 from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import schedule as schedule_lib
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 _LOCAL_JOBS = ('controller,trainer', 'evaler_dev', 'evaler_test')
@@ -281,15 +282,18 @@ def _ApplyBalanceFile(task_params, path):
                     ', '.join(changes))
 
 
-def _DeviceNames(task):
-  """{(replica, stage): device name} of the task's pipeline, for trace tracks; {} unless it
-  has exactly one."""
+def _PipelineNames(task):
+  """({(replica, stage): device name}, schedule label) of the task's pipeline, for trace
+  tracks and logs; ({}, '') unless it has exactly one. The label is the configured
+  schedule's (schedule.Name): the records do not show where the loss runs, so read off
+  the actions a fill-drain text with per-micro-batch losses would pass for 'gpipe'."""
   pipes = [m for m in task.submodules if isinstance(m, gpipe.PipeliningLayer)]
   if len(pipes) != 1:
-    return {}
+    return {}, ''
   pipe, = pipes
   k = pipe.num_stages
-  return {(r, s): pipe.devices[r * k + s] for r in range(pipe.num_replicas) for s in range(k)}
+  return ({(r, s): pipe.devices[r * k + s] for r in range(pipe.num_replicas) for s in range(k)},
+          schedule_lib.Name(pipe.params.schedule))
 
 
 def _PipelineStats(task, learner, forward_backward_fn, train_dir):
@@ -298,8 +302,9 @@ def _PipelineStats(task, learner, forward_backward_fn, train_dir):
   every = FLAGS.pipeline_stats_every
   if not every:
     return None
+  device_names, schedule = _PipelineNames(task)
   return base_runner.PipelineStats(every, learner.BuildMeasuredStep(forward_backward_fn),
-                                   train_dir, _DeviceNames(task))
+                                   train_dir, device_names, schedule)
 
 
 def RunTrainer(model_params, logdir, input_device=None, stop=None):

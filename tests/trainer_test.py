@@ -38,12 +38,14 @@ _STEP_KEY = 'global_step/.ATTRIBUTES/VARIABLE_VALUE'
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _Start(*flags, model=_MODEL, cpp_log_level='2'):
+def _Start(*flags, model=_MODEL, cpp_log_level='2', params_dir=_PARAMS_DIR):
   """Starts the trainer binary with `flags`; returns the Popen.
 
   cpp_log_level: TF_CPP_MIN_LOG_LEVEL, or None to leave it to the binary.
+  params_dir: LINGVO_GPIPE_PARAMS, where `model` is registered.
   """
-  env = dict(os.environ, LINGVO_GPIPE_PARAMS=_PARAMS_DIR, TF_CPP_MIN_LOG_LEVEL=cpp_log_level)
+  env = dict(os.environ, LINGVO_GPIPE_PARAMS=str(params_dir),
+             TF_CPP_MIN_LOG_LEVEL=cpp_log_level)
   if cpp_log_level is None:
     del env['TF_CPP_MIN_LOG_LEVEL']
   args = [sys.executable, '-m', 'lingvo_gpipe.trainer'] + ([f'--model={model}'] if model else [])
@@ -354,6 +356,34 @@ def testEvalerSaysWhenItsDatasetFallsBackToTrain(tmp_path, capsys, monkeypatch, 
     notes = [r.getMessage() for r in caplog.records if 'Train() data' in r.getMessage()]
     assert notes == (['toy.train_and_dev.TrainAndDev defines no Test(): evaluating its Train() '
                       'data instead.'] if falls_back else []), job
+
+
+_FILL_DRAIN_WITH_LOSS_PER_MICRO_BATCH = """
+from lingvo_gpipe import model_registry
+from lingvo_gpipe.params.lm import synthetic
+
+
+@model_registry.RegisterSingleTaskModel
+class OwnOrder(synthetic.GPipeTransformerLmTiny):
+
+  def Task(self):
+    p = super().Task()
+    p.stack.schedule = ('schedule gpipe K=2 M=2 v=1\\n'
+                        'device0: F0@0 F1@0 BW1@0 BW0@0\\n'
+                        'device1: F0@1 L0@1 F1@1 L1@1 BW1@1 BW0@1\\n')
+    return p
+"""
+
+
+def testPipelineStatisticsLabelAUsersOwnOrderByItsText(tmp_path):
+  """Its device orders are fill-drain's, its losses per micro-batch: not 'gpipe'."""
+  (tmp_path / 'toy').mkdir()
+  (tmp_path / 'toy' / 'own_order.py').write_text(_FILL_DRAIN_WITH_LOSS_PER_MICRO_BATCH)
+  err = _Ok(_Run('--max_steps=2', f'--logdir={tmp_path}/log', '--pipeline_stats_every=1',
+                 model='toy.own_order.OwnOrder', params_dir=tmp_path))
+  logged = [line.split('] ', 1)[1] for line in err.splitlines() if ' pipeline (' in line]
+  assert len(logged) == 1 and logged[0].startswith(
+      'step 2 pipeline (gpipe (text), K=2, M=2): '), logged
 
 
 def testEvalOnceWithoutCheckpointWritesNothing(tmp_path, capsys, monkeypatch):

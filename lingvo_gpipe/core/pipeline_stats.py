@@ -166,7 +166,9 @@ class Timeline:
 
   def Schedule(self):
     """The name of the schedule whose per-device orders the actions ran in, or 'custom'
-    (a user's own orders)."""
+    (a user's own orders). Records do not show where the loss ran: a fill-drain text
+    with a loss per micro-batch reads as 'gpipe' (the trainer labels runs by their
+    configured schedule)."""
     ran = self.Orders()
     for name in schedule_lib.SCHEDULE_NAMES:
       try:
