@@ -146,6 +146,24 @@ def testFromTextBadValueNamesKeyAndText(line):
   assert repr(key) in str(e.value) and repr(text) in str(e.value)
 
 
+def testFromTextTakesTheKindsAParamIsDefinedWith():
+  """A count or a list of ends, as a stack's splits: both parse; others are refused."""
+  p = hyperparams.Params()
+  p.Define('splits', 1, 'A count or end indices.', kinds=(int, list))
+  p.Define('count', 1, 'A count.')
+  p.FromText('splits : [1, 2, 4]')
+  assert p.splits == [1, 2, 4]
+  # Kinds survive a copy; a tuple reads as a list.
+  assert p.Copy().FromText('splits : (2, 4)').splits == [2, 4]
+  p.FromText('splits : 3')
+  assert p.splits == 3
+  for line, got in (('splits : 2.5', 'float'), ('splits : True', 'bool'),
+                    ("splits : 'a'", 'str'), ('count : [1, 2]', 'list')):
+    expected = 'int or list' if line.startswith('splits') else 'int'
+    with pytest.raises(ValueError, match=f'as {expected} \\(got {got}\\)'):
+      p.FromText(line)
+
+
 def testFromTextUnknownKey():
   with pytest.raises(AttributeError, match='Did you mean: steps'):
     _Nested().FromText('stepss : 3')

@@ -325,17 +325,20 @@ def testIntSplitsMinimizeTheSlowestStageAndNeverLeaveTheSoftmaxAlone():
 def testExplicitSplits():
   p = _STACKS['lm'](splits=[2, 3, 5])
   assert _LayerNames(p.Instantiate()) == [['tgt_emb', 'dec0'], ['dec1'], ['dec2', 'softmax']]
+  # As --model_params_override gives them, over the default count.
+  p = _STACKS['lm']().FromText('splits : [2, 3, 5]')
+  assert _LayerNames(p.Instantiate()) == [['tgt_emb', 'dec0'], ['dec1'], ['dec2', 'softmax']]
 
 
 @pytest.mark.parametrize('splits,message', [
-    (5, r'splits=5 stages, but the stack has 5 layers'),
+    (5, r'splits=5 cells, but the stack has 5 layers'),
     (0, r'expected 1 <= splits <= 4'),
     ([2, 6], r'must end at the layer count 5'),
     ([1, 2, 3, 4, 5, 6], r'must end at the layer count 5'),
     ([3, 2, 5], 'ascending'),
     ([2, 2, 5], 'ascending'),
     ([3, 4, 5], 'softmax alone'),
-    ('2', 'int number of stages'),
+    ('2', 'int number of cells'),
 ])
 def testBadSplitsAreClearErrors(splits, message):
   with pytest.raises(ValueError, match=message):

@@ -18,12 +18,13 @@ _KEY_PART_RE = re.compile(r'^([a-z_][a-z0-9_]*)((?:\[\d+\])*)$')
 
 
 class _Param:
-  """One defined value with its doc string."""
+  """One defined value with its doc string (and the types a text may set, or None)."""
 
-  def __init__(self, name, value, doc):
+  def __init__(self, name, value, doc, kinds=None):
     self.name = name
     self.value = value
     self.doc = doc
+    self.kinds = kinds
 
 
 def _SplitKeyPart(part, full_key):
@@ -51,8 +52,12 @@ class Params:
 
   # -- definition and access ------------------------------------------------
 
-  def Define(self, name, default_value, description):
-    """Defines `name`; every parameter must say what it is for."""
+  def Define(self, name, default_value, description, kinds=None):
+    """Defines `name`; every parameter must say what it is for.
+
+    kinds: the types a text override (FromText) may give it, for a parameter that
+    takes several, e.g. (int, list) for a count or a list; None: its value's type.
+    """
     self._CheckNotFrozen(name)
     if not isinstance(name, str) or not _NAME_RE.match(name):
       raise ValueError(
@@ -62,7 +67,8 @@ class Params:
       raise AttributeError(f'Params name {name!r} is already defined.')
     if name in _RESERVED_NAMES:
       raise AttributeError(f'Params name {name!r} is reserved (a Params method).')
-    self._params[name] = _Param(name, default_value, description)
+    self._params[name] = _Param(name, default_value, description,
+                                None if kinds is None else tuple(kinds))
 
   def __getattr__(self, name):
     if name.startswith('__'):
@@ -207,8 +213,14 @@ class Params:
         current = self.Get(key)
       except (AttributeError, IndexError, TypeError) as e:
         raise AttributeError(f'Params text line {lineno}: {e}{self._ElsewhereHint(key)}') from None
-      self.Set(**{key: ParseValue(value_text, current, key)})
+      self.Set(**{key: ParseValue(value_text, current, key, self._Kinds(key))})
     return self
+
+  def _Kinds(self, key):
+    """The types Define gave a dotted key, or None (an indexed key: its value's type)."""
+    owner, last = self._LookUp(key)
+    name, indices = _SplitKeyPart(last, key)
+    return None if indices else owner._params[name].kinds
 
   def _ElsewhereHint(self, key):
     """' Did you mean ...?' naming defined keys that end with `key` or that `key` ends with:
@@ -258,7 +270,7 @@ def _CopyValue(value):
   if isinstance(value, Params):
     new = type(value).__new__(type(value))
     new.__dict__['_params'] = {
-        k: _Param(k, _CopyValue(p.value), p.doc) for k, p in value._params.items()}
+        k: _Param(k, _CopyValue(p.value), p.doc, p.kinds) for k, p in value._params.items()}
     new.__dict__['_frozen'] = False
     return new
   if isinstance(value, list):
@@ -378,18 +390,18 @@ def _EvalNode(node):
   raise ValueError(f'unsupported syntax {ast.unparse(node)!r}')
 
 
-def ParseValue(text, current, key='value'):
-  """Parses `text` into a value of the same kind as `current`."""
-  def Fail(why):
-    return ValueError(f'Params key {key!r}: cannot parse {text!r} as '
-                      f'{type(current).__name__} ({why}).')
+def ParseValue(text, current, key='value', kinds=None):
+  """Parses `text` into a value of the same kind as `current`, or of one of `kinds`."""
+  expected = ' or '.join(k.__name__ for k in kinds) if kinds else type(current).__name__
 
+  def Fail(why):
+    return ValueError(f'Params key {key!r}: cannot parse {text!r} as {expected} ({why}).')
+
+  if kinds:
+    return _OfKinds(_Eval(text, Fail), kinds, Fail)
   if isinstance(current, str) and not (text[:1] in ('"', "'") and text[-1:] == text[:1]):
     return text  # Unquoted strings are accepted as they are.
-  try:
-    value = _EvalNode(ast.parse(text, mode='eval').body)
-  except (SyntaxError, ValueError, ImportError, AttributeError) as e:
-    raise Fail(e) from None
+  value = _Eval(text, Fail)
   if current is None or value is None:
     return value
   if isinstance(current, bool):
@@ -405,3 +417,21 @@ def ParseValue(text, current, key='value'):
   if isinstance(current, list) and isinstance(value, tuple):
     return list(value)
   return value
+
+
+def _Eval(text, fail):
+  """The Python literal (or module attribute) `text` spells; fail(why) if none."""
+  try:
+    return _EvalNode(ast.parse(text, mode='eval').body)
+  except (SyntaxError, ValueError, ImportError, AttributeError) as e:
+    raise fail(e) from None
+
+
+def _OfKinds(value, kinds, fail):
+  """`value` (a tuple as a list where only lists are taken) if it is one of `kinds`."""
+  if isinstance(value, tuple) and list in kinds and tuple not in kinds:
+    value = list(value)
+  if value is None or (isinstance(value, kinds) and
+                       not (isinstance(value, bool) and bool not in kinds)):
+    return value
+  raise fail(f'got {type(value).__name__}')

@@ -370,8 +370,9 @@ class _GPipeStack(gpipe.PipeliningLayer):
   def Params(cls):
     p = super().Params()
     p.Define('splits', 1,
-             'Number of stages (balanced by FLOPs; the softmax always shares a stage with the '
-             'layer before it), or the ascending end indices of the stages in LayerParams.')
+             'Number of cells (balanced by FLOPs; the softmax always shares a cell with the '
+             'layer before it), or the ascending end indices of the cells in LayerParams; '
+             'num_stages * virtual_stages cells.', kinds=(int, list))
     return p
 
   @classmethod
@@ -386,28 +387,28 @@ class _GPipeStack(gpipe.PipeliningLayer):
 
   @classmethod
   def StageEnds(cls, p, layer_params):
-    """Ascending end indices of the stages, from `splits`."""
+    """Ascending end indices of the cells, from `splits`."""
     n, splits = len(layer_params), p.splits
     if isinstance(splits, int) and not isinstance(splits, bool):
       if not 1 <= splits <= n - 1:
-        raise ValueError(f'{p.name}: splits={splits} stages, but the stack has {n} layers, '
+        raise ValueError(f'{p.name}: splits={splits} cells, but the stack has {n} layers, '
                          f'the softmax sharing a stage: expected 1 <= splits <= {n - 1}.')
       costs = profiler.LayerCosts(layer_params, cls.InputSpec(p))
       costs[-2] += costs.pop()  # The softmax rides with the layer before it.
       return partition.Balance(costs, splits)[:-1] + [n]
     if not isinstance(splits, (list, tuple)):
-      raise ValueError(f'{p.name}: splits={splits!r} must be an int number of stages or '
-                       'ascending positive end indices of the stages.')
+      raise ValueError(f'{p.name}: splits={splits!r} must be an int number of cells or '
+                       'ascending positive end indices of the cells.')
     ends = list(splits)
     partition.CheckEnds(ends, n, f'{p.name}: splits (layers {[q.name for q in layer_params]})')
     if len(ends) > 1 and ends[-1] - ends[-2] == 1:
-      raise ValueError(f'{p.name}: splits={ends} leaves the softmax alone on the last stage; '
+      raise ValueError(f'{p.name}: splits={ends} leaves the softmax alone on the last cell; '
                        f'expected the last end before {n - 1}.')
     return ends
 
   @classmethod
   def CellParams(cls, p):
-    """The pipeline cells: FeatureExtractionLayer params, one per stage."""
+    """The pipeline cells: FeatureExtractionLayer params, num_stages * virtual_stages."""
     layer_params = cls.LayerParams(p)
     return gpipe.CellsFromEnds(layer_params, cls.StageEnds(p, layer_params))
 
