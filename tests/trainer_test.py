@@ -578,8 +578,8 @@ _TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 
 
 def testARunResumesUnderAnotherCutAPlanAndUnpipelinedWithTheSameLosses(tmp_path):
-  """K=2 (as registered) -> plan_balance's K=3, M=4 -> one stage: the losses and final
-  weights of an uninterrupted K=2 run (relative 1e-5)."""
+  """An own cut at K=3 (an override's cell ends) -> plan_balance's K=3, M=4 -> one stage:
+  the losses and final weights of an uninterrupted run as registered, K=2 (relative 1e-5)."""
   tiny = 'lm.synthetic.GPipeTransformerLmTiny'
   common = ('train.save_interval_steps : 3; train.summary_interval_steps : 1; '
             'train.log_interval_steps : 3')
@@ -590,7 +590,7 @@ def testARunResumesUnderAnotherCutAPlanAndUnpipelinedWithTheSameLosses(tmp_path)
 
   Train(tmp_path / 'whole', 9)
   moved = tmp_path / 'moved'
-  Train(moved, 3)
+  Train(moved, 3, '; task.stack.splits : [1, 2, 4]')
   plan = str(tmp_path / 'plan.json')
   proc = subprocess.run([sys.executable, os.path.join(_TOOLS, 'plan_balance.py'),
                          f'--model={tiny}', '--stages=3', '--micro_batches=4', '--repeats=1',
