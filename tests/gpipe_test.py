@@ -1313,6 +1313,9 @@ def testABadScheduleFailsWhenThePipelineIsBuilt():
     _Pipe(4, 4, sched=_USER_TEXT)
   with pytest.raises(ValueError, match=r"The orders never run W3@1"):
     _Pipe(2, 4, sched=_USER_TEXT.replace(' W3@1', ''))
+  # A text, not a name: what is wrong with its head, not 'Unknown schedule'.
+  with pytest.raises(ValueError, match=r"must start with 'schedule <name> K=<devices>"):
+    _Pipe(2, 4, sched=_USER_TEXT.replace('schedule ', 'Schedule ', 1))
   with pytest.raises(ValueError, match=r"schedule must be one of .* got \['1f1b'\]"):
     _Pipe(2, 4, sched=['1f1b'], virtual_stages=1)
   with pytest.raises(ValueError, match='num_micro_batches must be a positive int, got 0'):

@@ -250,6 +250,8 @@ def testBadText(text, match):
     ([[A(F, 0, 0), A(F, 0, 1)], []], [0, 1], 1, 'F0@1 belongs on device 1'),
     ([[A(F, 0, 0), A(L, 0, 0)], [A(F, 0, 1)]], [0, 1], 1, 'the loss belongs to the last chunk'),
     ([[A(F, 2, 0)]], [0], 2, 'F2@0 is not an action of 1 chunks and 2 micro-batches'),
+    ([[A(F, 0, 0), A(L, ALL, 0), A(L, 0, 0), A(BW, 0, 0)]], [0], 1,
+     r'The orders run L0@0 besides a whole-batch loss L\*@0: a schedule has either'),
 ])
 def testCheckerRefusesBadOrders(orders, placement, m, match):
   with pytest.raises(ValueError, match=match):

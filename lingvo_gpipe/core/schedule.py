@@ -349,9 +349,10 @@ def CheckOrders(orders, placement, num_micro_batches):
   if missing:
     names = ' '.join(_ActionText(Action(*key)) for key in missing[:6])
     raise ValueError(f'The orders never run {names}{" ..." if len(missing) > 6 else ""}.')
-  if len(seen) != len(expected):
-    extra = sorted(seen - expected)
-    raise ValueError(f'The orders run actions that do not belong: {extra[:6]}.')
+  if len(seen) != len(expected):  # Only losses can be extra: L* with per-micro-batch ones.
+    names = ' '.join(_ActionText(Action(*key)) for key in sorted(seen - expected)[:6])
+    raise ValueError(f'The orders run {names} besides a whole-batch loss L*@{last}: a schedule '
+                     f'has either the one or a loss per micro-batch.')
 
 
 def Simulate(orders, placement, num_micro_batches, cost=None):
@@ -430,8 +431,10 @@ def Orders(name, num_stages, num_micro_batches, virtual_stages=1):
 
 
 def IsText(schedule):
-  """Whether a pipeline's `schedule` is a schedule's text (Schedule.ToText), not a name."""
-  return isinstance(schedule, str) and schedule.lstrip().startswith('schedule ')
+  """Whether a pipeline's `schedule` is meant as a schedule's text (Schedule.ToText), not a
+  name: it has several lines or starts with 'schedule ' (FromText then says what is wrong)."""
+  return isinstance(schedule, str) and (len(schedule.strip().splitlines()) > 1 or
+                                        schedule.lstrip().startswith('schedule '))
 
 
 def Name(schedule):
