@@ -1324,6 +1324,20 @@ def testABadScheduleFailsWhenThePipelineIsBuilt():
     _Pipe(4, 6, sched='interleaved_1f1b')
 
 
+def testATextWithMicroBatchSizeRunsItsMAndSaysWhereAnotherMCameFrom():
+  """A text fixes M: micro_batch_size must cut the batch into as many; each M's schedule
+  is built once."""
+  pipe = _Pipe(2, 1, sched=_USER_TEXT, micro_batch_size=BATCH // 4)
+  assert pipe.GetSchedule(BATCH) is pipe.GetSchedule(BATCH)
+  x = _Input()
+  ref_loss, _ = _ReferenceLossAndGrads(pipe, x)
+  loss, _ = pipe.ForwardBackward(pipe.theta, x, _Loss)
+  assert _RelErr(loss, ref_loss) <= 1e-5
+  with pytest.raises(ValueError, match=r'this pipeline runs K=2, M=8, v=1 \(M = the rows of '
+                     r"each replica's batch / micro_batch_size=4\)\."):
+    pipe.ForwardBackward(pipe.theta, tf.concat([x, x], 0), _Loss)
+
+
 @pytest.mark.parametrize('remat', gpipe.REMAT_MODES)
 def testAWholeBatchLossTextWithSplitBackwardsTrainsUnderATape(remat):
   """L(*) after every forward, then B and W: FProp under a tape equals the plain model."""

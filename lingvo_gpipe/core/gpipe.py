@@ -156,10 +156,11 @@ class PipeliningLayer(base_layer.BaseLayer):
       raise ValueError(f'Set num_micro_batches ({p.num_micro_batches}) or micro_batch_size '
                        f'({p.micro_batch_size}), not both.')
     # A bad schedule, chunks per device or M fails here, not at the first batch; the
-    # schedule places the chunks on the devices.
-    self._placement = schedule_lib.ForPipeline(
-        p.schedule, self.num_stages, None if p.micro_batch_size else p.num_micro_batches,
-        p.virtual_stages).placement
+    # schedule places the chunks on the devices. Built and checked once per M (zbv at
+    # K=8, M=64 takes half a second), here and then as batches need them.
+    self._schedules = {}
+    self._placement = self._Schedule(None if p.micro_batch_size else p.num_micro_batches
+                                     ).placement
     if not isinstance(p.num_replicas, int) or p.num_replicas < 1:
       raise ValueError(f'num_replicas must be a positive int, got {p.num_replicas!r}.')
     self._devices = devices_lib.StageDevices(self.num_stages, p.devices, p.allow_device_reuse,
@@ -280,8 +281,21 @@ class PipeliningLayer(base_layer.BaseLayer):
     return self._Schedule(self.NumMicroBatches(batch_size))
 
   def _Schedule(self, num_micro_batches):
-    return schedule_lib.ForPipeline(self.params.schedule, self.num_stages, num_micro_batches,
-                                    self.params.virtual_stages)
+    """The checked schedule at M = num_micro_batches (None: M not known yet, not kept)."""
+    p = self.params
+    sched = self._schedules.get(num_micro_batches)
+    if sched is None:
+      try:
+        sched = schedule_lib.ForPipeline(p.schedule, self.num_stages, num_micro_batches,
+                                         p.virtual_stages)
+      except ValueError as e:
+        if p.micro_batch_size is None or num_micro_batches is None:
+          raise
+        raise ValueError(f"{str(e).rstrip('.')} (M = the rows of each replica's batch / "
+                         f'micro_batch_size={p.micro_batch_size}).') from None
+      if num_micro_batches is not None:
+        self._schedules[num_micro_batches] = sched
+    return sched
 
   def CellFProp(self, c, theta, args):
     """Chunk c's (output argument tuple, fetched activations) in the fprop dtype."""
