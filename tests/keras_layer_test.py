@@ -145,6 +145,17 @@ def testBadParamsAreNamedErrors():
     keras_layer.ParamsFromKerasLayers([keras.layers.Dense(3), 'relu'], [4])
 
 
+@pytest.mark.parametrize('make,shape', [
+    (lambda: keras.layers.Embedding(10, 4, mask_zero=True), [6]),
+    (lambda: keras.layers.Masking(), [6, 4]),
+])
+def testALayerThatMakesAMaskIsAnError(make, shape):
+  """Its mask would not reach the layers after a pipeline cut (they read the padding)."""
+  p = keras_layer.KerasLayer.Params().Set(name='masked', layer=make, input_shape=shape)
+  with pytest.raises(ValueError, match=r'masked: the Keras layer .* makes a Keras mask'):
+    p.Instantiate()
+
+
 def testKerasPolicySetsFPropDtypeAndFPropDtypeSetsThePolicy():
   keras.mixed_precision.set_global_policy('mixed_bfloat16')
   try:

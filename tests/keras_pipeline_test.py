@@ -224,6 +224,14 @@ def testScheduleAndVirtualStagesAreChecked():
 
 
 
+def testAMaskIsRefusedNotLostAtACut():
+  """Embedding(mask_zero=True) | pooling: the pooling would average the padding too."""
+  layers = [keras.Input((6,), dtype='int32'), keras.layers.Embedding(10, 4, mask_zero=True),
+            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)]
+  with pytest.raises(ValueError, match="embedding0: the Keras layer .* makes a Keras mask"):
+    keras_pipeline.PipelineModel(layers, num_stages=2, num_micro_batches=2)
+
+
 def testMoreStagesThanDevicesNeedAllowDeviceReuse():
   """4 logical test devices: 8 stages are a ValueError, or round-robin when allowed."""
   with pytest.raises(ValueError, match=r'needs 8 devices .* allow_device_reuse=True'):

@@ -21,6 +21,8 @@ What Keras would do with state, this layer does the way the pipeline needs it:
     whole batch's statistics once per step, as BatchNormLayer's do.
   * Any other update of a non-trainable variable in `call()` is an error: the
     pipeline could not apply it once per step.
+  * A layer that makes a Keras mask (Embedding(mask_zero=True), Masking) is an
+    error: the mask would not reach the layers after a cut.
 
 Initial values are those of the Keras layer's initializers; the seeds Keras
 draws for unseeded ones derive from this layer's path, so the values do not
@@ -145,6 +147,11 @@ class KerasLayer(base_layer.BaseLayer):
         layer.noise_shape[0] is not None):
       raise ValueError(f'{self.path}: Dropout noise_shape {layer.noise_shape} must leave the '
                        'batch dimension None: each example draws its own mask.')
+    if layer.compute_mask(keras.KerasTensor((None,) + shape), None) is not None:
+      raise ValueError(f'{self.path}: the Keras layer {layer.name!r} makes a Keras mask (as '
+                       'Embedding(mask_zero=True) or Masking do), which the layers after it '
+                       'would not get once a pipeline cut lies between them; leave the mask '
+                       'off and pass the padding yourself (e.g. as zeros).')
     if getattr(layer, 'activity_regularizer', None) is not None:
       raise ValueError(f'{self.path}: activity_regularizer is not supported: the loss it adds '
                        'in call() would be dropped (weight regularizers work).')
