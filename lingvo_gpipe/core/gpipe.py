@@ -297,8 +297,17 @@ class PipeliningLayer(base_layer.BaseLayer):
         self._schedules[num_micro_batches] = sched
     return sched
 
+  def _HandOverDType(self, c):
+    """The dtype of chunk c's floating outputs: the fprop_dtype of the layer that reads them
+    (the next cell's first), or after the last cell of the one that made them, so that a
+    layer's own dtype (a float32 Keras layer under a mixed policy) holds across cuts."""
+    last = c + 1 == len(self.cell)
+    cell = self.cell[c if last else c + 1]
+    subs = cell.sub if isinstance(cell, FeatureExtractionLayer) and cell.sub else [cell]
+    return subs[-1 if last else 0].fprop_dtype
+
   def CellFProp(self, c, theta, args):
-    """Chunk c's (output argument tuple, fetched activations) in the fprop dtype."""
+    """Chunk c's (output argument tuple, fetched activations), floats in _HandOverDType."""
     cell = self.cell[c]
     try:
       if isinstance(cell, FeatureExtractionLayer):
@@ -310,7 +319,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       source = f'the output of cell {c - 1}' if c else 'the pipeline input'
       raise ValueError(f'Pipeline cell {c} ({cell.path}) cannot take {source} with shapes '
                        f'{shapes}: {e}') from e
-    return _CastFloats(executor.AsArgs(out), self.fprop_dtype), acts
+    return _CastFloats(executor.AsArgs(out), self._HandOverDType(c)), acts
 
   # -- public entry points --------------------------------------------------------
 
