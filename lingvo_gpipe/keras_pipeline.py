@@ -41,8 +41,11 @@ training batch must hold at least num_micro_batches examples, one per
 micro-batch (else an InvalidArgumentError when it runs). With a Keras
 mixed-precision policy (e.g.
 keras.mixed_precision.set_global_policy('mixed_bfloat16')) the layers compute in
-its compute dtype and the weights stay float32.
+its compute dtype and the weights stay float32; a layer given its own dtype (a
+float32 output layer, as Keras advises) computes in that, as in Keras.
 """
+
+import warnings
 
 import keras
 import tensorflow as tf
@@ -53,18 +56,39 @@ from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import schedule as schedule_lib
 
 
+def _ComputeDType(config):
+  """The compute dtype of a serialized Keras layer's dtype policy."""
+  return tf.as_dtype(keras.dtype_policies.get(config['config'].get('dtype')).compute_dtype)
+
+
 def _LayersAndShape(layers):
   """(layers, one example's input shape or None) of a Sequential or a layer list."""
   if isinstance(layers, keras.Sequential):
     shape = tuple(layers.inputs[0].shape[1:]) if layers.built and layers.inputs else None
-    return list(layers.layers), shape
+    return _Flattened(layers.layers), shape
   if not isinstance(layers, (list, tuple)) or not layers:
     raise ValueError(f'PipelineModel takes a keras.Sequential or a non-empty list of Keras '
                      f'layers; got {type(layers).__name__} {layers!r}.')
   layers = list(layers)
   if isinstance(layers[0], keras.KerasTensor):  # keras.Input(shape), as in a Sequential.
-    return layers[1:], tuple(layers[0].shape[1:])
-  return layers, None
+    return _Flattened(layers[1:]), tuple(layers[0].shape[1:])
+  return _Flattened(layers), None
+
+
+def _Flattened(layers):
+  """The layers with each keras.Sequential among them replaced by its own (it runs them in
+  order, so the pipeline can cut between them); other models are refused."""
+  out = []
+  for layer in layers:
+    if isinstance(layer, keras.Sequential):
+      out += _Flattened(layer.layers)
+    elif isinstance(layer, keras.Model):
+      raise ValueError(f'PipelineModel takes Keras layers and Sequential blocks; got the '
+                       f'{type(layer).__name__} {layer.name!r}, a model whose layers do not '
+                       'run one after another: pass its layers, or make it a Sequential.')
+    else:
+      out.append(layer)
+  return out
 
 
 @keras.saving.register_keras_serializable(package='lingvo_gpipe')
@@ -142,6 +166,8 @@ class PipelineModel(keras.Model):
     with tf.init_scope():
       params_list, self._output_shape = keras_layer.ParamsFromKerasLayers(
           self._layer_configs, shape)
+      for layer_params in params_list:  # Each layer computes in its own policy, as in Keras.
+        layer_params.fprop_dtype = _ComputeDType(layer_params.layer)
       cells = gpipe.PartitionSequentialLayers(
           params_list, opts['num_stages'] * opts['virtual_stages'],
           tf.TensorShape((1,) + shape), cost=opts['cost'])
@@ -191,7 +217,10 @@ class PipelineModel(keras.Model):
     grads = [by_ref[v.ref()] for v in tf_variables]
     loss = loss / self.optimizer.scale_loss(tf.ones([], loss.dtype))
     loss, grads = self._WithRegularization(loss, grads, tf_variables)
-    self.optimizer.apply_gradients(zip(grads, variables))
+    if variables:
+      self.optimizer.apply_gradients(zip(grads, variables))
+    else:  # As Keras's own train_step: the loss is still computed and logged.
+      warnings.warn('The model does not have any trainable weights.', stacklevel=2)
     self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -221,7 +250,8 @@ class PipelineModel(keras.Model):
 
   def compute_output_spec(self, inputs, training=False):
     del training  # The shapes do not depend on it.
-    return keras.KerasTensor((inputs.shape[0],) + self._output_shape, dtype=self.compute_dtype)
+    return keras.KerasTensor((inputs.shape[0],) + self._output_shape,
+                             dtype=_ComputeDType(self._layer_configs[-1]).name)
 
   def get_config(self):
     config = super().get_config()

@@ -300,3 +300,57 @@ def testMixedPrecisionPolicy():
     losses[policy] = _Fit(pipe, x, y)
     assert all(w.dtype == np.float32 for w in pipe.get_weights())
   np.testing.assert_allclose(losses['mixed_bfloat16'], losses['float32'], rtol=3e-2)
+
+
+def testALayersOwnDTypeHoldsUnderAMixedPolicy():
+  """Keras's advice for mixed precision, a float32 output layer: it computes in float32, on
+  either side of a cut, and training matches the Sequential's (M=1: bfloat16 matmuls of
+  other row counts round otherwise)."""
+  keras.mixed_precision.set_global_policy('mixed_bfloat16')
+  try:
+    keras.utils.set_random_seed(6)
+    seq = keras.Sequential([keras.Input((12,))] + _Layers()[:-1] +
+                           [keras.layers.Dense(4, dtype='float32')])
+    pipe = keras_pipeline.PipelineModel(seq, num_stages=2, num_micro_batches=1)
+  finally:
+    keras.mixed_precision.set_global_policy('float32')
+  assert [layer.compute_dtype for layer in pipe.pipeline_layers] == [
+      layer.compute_dtype for layer in seq.layers] == ['bfloat16'] * 3 + ['float32']
+  x, y = _Data(64)
+  assert pipe(x[:_BATCH]).dtype == tf.float32
+  losses = _Fit(pipe, x, y, batch_size=_BATCH), _Fit(seq, x, y, batch_size=_BATCH)
+  np.testing.assert_allclose(*losses, rtol=1e-5)
+  assert _RelativeDifference(pipe.get_weights(), seq.get_weights()) < 1e-5
+
+
+def testAFrozenModelFitsLikeSequential():
+  """trainable = False: fit() logs the Sequential's losses and moves no weight."""
+  keras.utils.set_random_seed(7)
+  seq = keras.Sequential([keras.Input((12,))] + _Layers())
+  pipe = keras_pipeline.PipelineModel(seq, num_stages=2, num_micro_batches=2)
+  before = seq.get_weights()
+  x, y = _Data(64)
+  losses = []
+  for model in (pipe, seq):
+    model.trainable = False
+    with pytest.warns(UserWarning, match='does not have any trainable weights'):
+      losses.append(_Fit(model, x, y))
+  np.testing.assert_allclose(*losses, rtol=1e-5)
+  assert _RelativeDifference(pipe.get_weights(), before) == 0
+
+
+def testASequentialBlockIsCutLikeItsLayersAndAFunctionalModelIsRefused():
+  keras.utils.set_random_seed(8)
+  block = keras.Sequential([keras.layers.Dense(16, activation='tanh'), keras.layers.Dense(16)])
+  seq = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16), block,
+                          keras.layers.Dense(4)])
+  pipe = keras_pipeline.PipelineModel(seq, num_stages=2, num_micro_batches=2)
+  assert len(pipe.pipeline_layers) == 4
+  x, y = _Data(64)
+  np.testing.assert_allclose(_Fit(pipe, x, y), _Fit(seq, x, y), rtol=1e-5)
+  assert _RelativeDifference(pipe.get_weights(), seq.get_weights()) < 1e-5
+  inputs = keras.Input((16,))
+  functional = keras.Model(inputs, keras.layers.Dense(16)(inputs), name='inner')
+  with pytest.raises(ValueError, match="got the Functional 'inner', a model whose layers"):
+    keras_pipeline.PipelineModel([keras.Input((12,)), keras.layers.Dense(16), functional],
+                                 num_stages=2)
