@@ -222,6 +222,9 @@ def ConfigureLocalDevices(run_locally, num_cpu_devices):
   """
   if run_locally == 'cpu':
     tf.config.set_visible_devices([], 'GPU')
+  elif not tf.config.list_physical_devices('GPU'):
+    raise base_runner.UserError('--run_locally=gpu, but TensorFlow finds no GPU on this '
+                                'machine; use --run_locally=cpu.')
   cpu = tf.config.list_physical_devices('CPU')[0]
   try:
     tf.config.set_logical_device_configuration(
@@ -534,7 +537,7 @@ def _Run():
     raise base_runner.UserError('--model is required (a registry key such as '
                                 'lm.synthetic.GPipeTransformerLmTiny).')
   _CheckFlagsAtLeast(0, 'max_steps')
-  _CheckFlagsAtLeast(1, 'checkpoint_max_to_keep')
+  _CheckFlagsAtLeast(1, 'checkpoint_max_to_keep', 'eval_batches')
   dataset_name = {'evaler_dev': 'Dev', 'evaler_test': 'Test'}.get(FLAGS.job, 'Train')
   model_params = base_runner.LoadModelParams(FLAGS.model, dataset_name,
                                              FLAGS.model_params_override, FLAGS.max_steps)

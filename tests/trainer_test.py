@@ -312,7 +312,14 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
       ([model, logdir, '--max_steps=-5'], '--max_steps must be >= 0, got -5.'),
       ([model, logdir, '--checkpoint_max_to_keep=0'],
        '--checkpoint_max_to_keep must be >= 1, got 0.'),
-  ]
+      ([model, logdir, '--job=evaler_dev', '--eval_batches=0'],
+       '--eval_batches must be >= 1, got 0.'),
+      ([model, logdir, '--job=evaler_dev', '--eval_batches=-1'],
+       '--eval_batches must be >= 1, got -1.'),
+  ] + ([] if tf.config.list_physical_devices('GPU') else [
+      ([model, logdir, '--run_locally=gpu'],
+       '--run_locally=gpu, but TensorFlow finds no GPU on this machine; use --run_locally=cpu.'),
+  ])
   for argv, message in cases:
     code, err = _MainInProcess(capsys, *argv)
     lines = _ErrorLines(err)
