@@ -147,6 +147,19 @@ def testFPropDtypeIsInherited():
   assert layer.ToFPropDtype(tf.ones([2], tf.int32)).dtype == tf.int32
 
 
+def testParamsInitIsInheritedByChildrenLeftAtTheDefault():
+  """Lingvo's rule: a parent's params_init reaches every child that names none; a child's
+  own, and a variable's own (b's constant), still win."""
+  p = _StackParams()
+  p.params_init = py_utils.WeightInit.Constant(3.0)
+  layer = p.Instantiate()
+  for child in (layer.l[0], layer.l[1], layer.out):
+    np.testing.assert_array_equal(child.vars.w.numpy(), 3.0)
+    np.testing.assert_array_equal(child.vars.b.numpy(), 0.5)
+  default = _StackParams().Instantiate()
+  assert not np.all(default.out.vars.w.numpy() == 3.0)  # Xavier, as before.
+
+
 def testFPropMetaIsOptional():
   assert not _Affine.HasFPropMeta()
   with pytest.raises(NotImplementedError):

@@ -90,6 +90,9 @@ def _CastsToFPropDtype(fprop):
   return FProp
 
 
+_DEFAULT_PARAMS_INIT = py_utils.WeightInit.Xavier()
+
+
 class BaseLayer(tf.Module):
   """Base class of all layers.
 
@@ -119,8 +122,9 @@ class BaseLayer(tf.Module):
              'Dtype of activations; None inherits the parent\'s, else `dtype`.')
     p.Define('random_seed', None,
              'Seed of initial values and random ops; None inherits the parent\'s (0 at the top).')
-    p.Define('params_init', py_utils.WeightInit.Xavier(),
-             'Initializer of variables whose WeightParams name none.')
+    p.Define('params_init', _DEFAULT_PARAMS_INIT.Copy(),
+             "Initializer of variables whose WeightParams name none; left at this default, "
+             "the parent's.")
     return p
 
   # True for groupings that are not part of the model's identity (see the module doc).
@@ -140,6 +144,8 @@ class BaseLayer(tf.Module):
       p.random_seed = parent.params.random_seed if parent else 0
     if p.fprop_dtype is None:
       p.fprop_dtype = parent.params.fprop_dtype if parent else p.dtype
+    if parent and p.params_init == _DEFAULT_PARAMS_INIT:
+      p.params_init = parent.params.params_init.Copy()
     self._params = p.Freeze()
     parent_scope = parent.scope if parent else ''
     self._path = f'{parent_scope}/{p.name}' if parent_scope else p.name
