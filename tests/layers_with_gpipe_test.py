@@ -351,10 +351,22 @@ def testBadSplitsAreClearErrors(splits, message):
     (dict(tie_embeddings=True, **{'softmax_tpl.num_classes': 12}),
      r'emb_tpl.vocab_size \(11\) == softmax_tpl.num_classes \(12\)'),
     (dict(cell_tpl=[layers.LayerNorm.Params()]), 'cell_tpl is built from the stack params'),
+    # Template fields the stack sets from its own params: refused, not silently replaced.
+    ({'decoder_tpl.num_heads': 1},
+     r'stack: decoder_tpl.num_heads is 1, but the stack sets it from its num_heads \(2\): '
+     r'set num_heads instead'),
+    ({'decoder_tpl.relu_dropout_prob': 0.5}, r'relu_dropout_prob .* from its dropout_prob'),
+    ({'emb_tpl.dropout_prob': 0.5}, r'emb_tpl.dropout_prob is 0.5, .* its dropout_prob \(0.0\)'),
+    ({'softmax_tpl.label_smoothing': 0.3}, r'from its label_smoothing \(0.0\)'),
 ])
 def testBadStackConfigsAreClearErrors(overrides, message):
   with pytest.raises(ValueError, match=message):
     _SeqStack().Set(**overrides).Instantiate()
+
+
+def testATemplateFieldEqualToTheStacksValueIsFine():
+  """Set as the stack sets it (a config written out in full), it is no conflict."""
+  _SeqStack(**{'decoder_tpl.num_heads': 2, 'emb_tpl.max_len': 8}).Instantiate()
 
 
 def testBadResNetConfigIsAClearError():

@@ -447,6 +447,26 @@ class _GPipeStack(gpipe.PipeliningLayer):
     return [len(cls.LayerParams(p)) - 1]  # The softmax rides with the layer before it.
 
 
+# The template fields GPipeTransformerStack sets from its own params, by template kind.
+_STACK_FIELDS = {
+    'emb': ('embedding_dim', 'max_len', 'dropout_prob'),
+    'transformer': ('input_dim', 'num_heads', 'hidden_dim', 'residual_dropout_prob',
+                    'atten_dropout_prob', 'relu_dropout_prob'),
+    'softmax': ('input_dim', 'label_smoothing', 'tie_embedding')}
+# The stack's param each of them comes from (GPipeTransformerStack._FromStack).
+_STACK_SOURCES = {
+    'embedding_dim': 'model_dim', 'input_dim': 'model_dim', 'max_len': 'max_seq_len',
+    'num_heads': 'num_heads', 'hidden_dim': 'hidden_dim', 'dropout_prob': 'dropout_prob',
+    'residual_dropout_prob': 'dropout_prob', 'atten_dropout_prob': 'dropout_prob',
+    'relu_dropout_prob': 'dropout_prob', 'label_smoothing': 'label_smoothing',
+    'tie_embedding': 'tie_embeddings'}
+
+
+def _StackSet(tpl, kind):
+  """Template `tpl` with the fields the stack sets (_STACK_FIELDS[kind]) None."""
+  return tpl.Set(**{field: None for field in _STACK_FIELDS[kind]})
+
+
 class GPipeTransformerStack(_GPipeStack):
   """A pipelined Transformer: embeddings, encoder and/or decoder layers, softmax.
 
@@ -472,13 +492,15 @@ class GPipeTransformerStack(_GPipeStack):
     p.Define('max_seq_len', 256,
              'Longest sequence: the position tables\' length, and the length assumed when '
              'balancing stages by FLOPs.')
-    p.Define('emb_tpl', GPipeEmbeddingLayer.Params().Set(vocab_size=32),
+    # The templates' fields that the stack sets from its own params are None here.
+    p.Define('emb_tpl', _StackSet(GPipeEmbeddingLayer.Params().Set(vocab_size=32), 'emb'),
              'Embedding template (vocab_size); used for src and tgt.')
-    p.Define('softmax_tpl', GPipeSoftmaxLayer.Params().Set(num_classes=32),
+    p.Define('softmax_tpl', _StackSet(GPipeSoftmaxLayer.Params().Set(num_classes=32),
+                                      'softmax'),
              'Softmax template (num_classes).')
-    p.Define('encoder_tpl', GPipeTransformerLayer.Params(),
+    p.Define('encoder_tpl', _StackSet(GPipeTransformerLayer.Params(), 'transformer'),
              'Encoder layer template (e.g. activation).')
-    p.Define('decoder_tpl', GPipeTransformerLayer.Params(),
+    p.Define('decoder_tpl', _StackSet(GPipeTransformerLayer.Params(), 'transformer'),
              'Decoder layer template (e.g. activation).')
     p.Define('label_smoothing', 0.0, 'Label smoothing of the trained cross entropy.')
     p.Define('dropout_prob', 0.0,
@@ -515,31 +537,45 @@ class GPipeTransformerStack(_GPipeStack):
   def LayerParams(cls, p):
     cls._Check(p)
     drop = p.dropout_prob
-    emb = p.emb_tpl.Copy().Set(embedding_dim=p.model_dim, max_len=p.max_seq_len,
-                               dropout_prob=drop)
+    emb = cls._FromStack(p, 'emb_tpl', embedding_dim=p.model_dim, max_len=p.max_seq_len,
+                         dropout_prob=drop)
 
-    def Transformer(tpl, name, stream, last, **kwargs):
-      return tpl.Copy().Set(
-          name=name, stream=stream, input_dim=p.model_dim, num_heads=p.num_heads,
-          hidden_dim=p.hidden_dim, final_layer_norm=last, residual_dropout_prob=drop,
-          atten_dropout_prob=drop, relu_dropout_prob=drop, **kwargs)
+    def Transformer(key, name, stream, last, **kwargs):
+      return cls._FromStack(
+          p, key, input_dim=p.model_dim, num_heads=p.num_heads, hidden_dim=p.hidden_dim,
+          residual_dropout_prob=drop, atten_dropout_prob=drop,
+          relu_dropout_prob=drop).Set(name=name, stream=stream, final_layer_norm=last, **kwargs)
 
     out = []
     if p.num_encoder_layers:
       out.append(emb.Copy().Set(name='src_emb', stream='src'))
-      out += [Transformer(p.encoder_tpl, f'enc{i}', 'src', i == p.num_encoder_layers - 1,
+      out += [Transformer('encoder_tpl', f'enc{i}', 'src', i == p.num_encoder_layers - 1,
                           mask_self_atten=False, has_aux_atten=False)
               for i in range(p.num_encoder_layers)]
     if p.num_decoder_layers:
       out.append(emb.Copy().Set(name='tgt_emb', stream='tgt'))
-      out += [Transformer(p.decoder_tpl, f'dec{i}', 'tgt', i == p.num_decoder_layers - 1,
+      out += [Transformer('decoder_tpl', f'dec{i}', 'tgt', i == p.num_decoder_layers - 1,
                           mask_self_atten=True, has_aux_atten=bool(p.num_encoder_layers),
                           aux_stream='src')
               for i in range(p.num_decoder_layers)]
-    out.append(p.softmax_tpl.Copy().Set(
-        name='softmax', stream=cls.OutputStream(p), input_dim=p.model_dim,
-        label_smoothing=p.label_smoothing, tie_embedding=p.tie_embeddings))
+    out.append(cls._FromStack(
+        p, 'softmax_tpl', input_dim=p.model_dim, label_smoothing=p.label_smoothing,
+        tie_embedding=p.tie_embeddings).Set(name='softmax', stream=cls.OutputStream(p)))
     return out
+
+  @classmethod
+  def _FromStack(cls, p, key, **values):
+    """A copy of template p.<key> with the fields the stack sets from its own params. One
+    the user set in the template to another value is a ValueError naming the stack's
+    param for it, not silently replaced."""
+    tpl = p.Get(key)
+    for field, value in values.items():
+      mine = tpl.Get(field)
+      if mine is not None and mine != value:
+        source = _STACK_SOURCES[field]
+        raise ValueError(f'{p.name}: {key}.{field} is {mine!r}, but the stack sets it from its '
+                         f'{source} ({value!r}): set {source} instead.')
+    return tpl.Copy().Set(**values)
 
   @classmethod
   def InputSpec(cls, p):
