@@ -9,13 +9,30 @@ keyed by variable name, so checkpoints read the same whatever the order in which
 variables are listed.
 """
 
+import math
+
 import tensorflow as tf
 
 from lingvo_gpipe.core import hyperparams
 
+# Intervals a param may lie in: (low, low open, high, high open).
+_DECAY = (0.0, False, 1.0, True)  # [0, 1)
+_POSITIVE = (0.0, True, math.inf, True)  # (0, inf)
+_NON_NEGATIVE = (0.0, False, math.inf, True)  # [0, inf)
+
 
 def _SlotKey(var):
   return var.name[:-2] if var.name.endswith(':0') else var.name
+
+
+def _CheckInterval(owner, name, value, interval):
+  """Raises a ValueError naming `name` unless `value` is a finite number in `interval`."""
+  low, low_open, high, high_open = interval
+  is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if not (is_number and math.isfinite(value) and (value > low if low_open else value >= low)
+          and (value < high if high_open else value <= high)):
+    raise ValueError(f'{owner}: {name} must be in {"(" if low_open else "["}{low:g}, {high:g}'
+                     f'{")" if high_open else "]"}, got {value!r}.')
 
 
 def _Rms(x):
@@ -25,12 +42,17 @@ def _Rms(x):
 class BaseOptimizer(tf.Module):
   """Base class: slot bookkeeping, the update counter, per-variable updates."""
 
+  # {param name: the interval (_DECAY ...) its value must lie in}, checked when built.
+  INTERVALS = {}
+
   @classmethod
   def Params(cls):
     return hyperparams.InstantiableParams(cls)
 
   def __init__(self, params):
     super().__init__(name=type(self).__name__)
+    for name, interval in self.INTERVALS.items():
+      _CheckInterval(type(self).__name__, name, params.Get(name), interval)
     self._params = params.Copy().Freeze()
     self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name='iterations')
     self._slots = {}
@@ -112,6 +134,8 @@ class Momentum(BaseOptimizer):
   With use_nesterov, var -= lr * (grad + momentum * m) instead.
   """
 
+  INTERVALS = {'momentum': _DECAY}
+
   @classmethod
   def Params(cls):
     p = super().Params()
@@ -134,6 +158,8 @@ class Adam(BaseOptimizer):
   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;
   var -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + epsilon).
   """
+
+  INTERVALS = {'beta1': _DECAY, 'beta2': _DECAY, 'epsilon': _POSITIVE}
 
   @classmethod
   def Params(cls):
@@ -166,6 +192,10 @@ class Adafactor(BaseOptimizer):
     optionally m = beta1 m + (1 - beta1) u, u = m;
     var -= lr * max(eps2, rms(var)) * u   (the max(...) only with multiply_by_parameter_scale).
   """
+
+  INTERVALS = {'beta1': _DECAY, 'decay_exponent': _POSITIVE,
+               'clipping_threshold': _NON_NEGATIVE, 'epsilon1': _POSITIVE,
+               'epsilon2': _NON_NEGATIVE}
 
   @classmethod
   def Params(cls):

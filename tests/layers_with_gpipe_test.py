@@ -348,6 +348,8 @@ def testBadSplitsAreClearErrors(splits, message):
 @pytest.mark.parametrize('overrides,message', [
     (dict(model_dim=30, num_heads=4), r'model_dim=30 is not divisible by num_heads=4'),
     (dict(num_decoder_layers=0), 'num_encoder_layers or num_decoder_layers'),
+    (dict(dropout_prob=1.5), r'stack: dropout_prob must be in \[0, 1\), got 1.5'),
+    (dict(label_smoothing=-0.1), r'stack: label_smoothing must be in \[0, 1\), got -0.1'),
     (dict(tie_embeddings=True, **{'softmax_tpl.num_classes': 12}),
      r'emb_tpl.vocab_size \(11\) == softmax_tpl.num_classes \(12\)'),
     (dict(cell_tpl=[layers.LayerNorm.Params()]), 'cell_tpl is built from the stack params'),

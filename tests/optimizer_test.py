@@ -144,6 +144,19 @@ def testApplyWithoutSlotsIsAClearError():
     opt.Apply(0.1, [(tf.ones([1]), tf.Variable([1.0], name='unknown'))])
 
 
+@pytest.mark.parametrize('params,message', [
+    (optimizer.Adam.Params().Set(beta1=2.0), r'Adam: beta1 must be in \[0, 1\), got 2.0'),
+    (optimizer.Adam.Params().Set(beta2=-3.0), r'Adam: beta2 must be in \[0, 1\), got -3.0'),
+    (optimizer.Adam.Params().Set(epsilon=-1.0), r'Adam: epsilon must be in \(0, inf\), got -1.0'),
+    (optimizer.Momentum.Params().Set(momentum=1.0), r'momentum must be in \[0, 1\), got 1.0'),
+    (optimizer.Adafactor.Params().Set(decay_exponent=float('nan')),
+     r'Adafactor: decay_exponent must be in \(0, inf\), got nan'),
+])
+def testBadParamsAreClearErrors(params, message):
+  with pytest.raises(ValueError, match=message):
+    params.Instantiate()
+
+
 _ALL_OPTIMIZERS = [optimizer.SGD.Params(), optimizer.Momentum.Params(), optimizer.Adam.Params(),
                    optimizer.Adafactor.Params().Set(beta1=0.9, min_dim_size_to_factor=2)]
 
