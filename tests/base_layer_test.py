@@ -147,6 +147,14 @@ def testFPropDtypeIsInherited():
   assert layer.ToFPropDtype(tf.ones([2], tf.int32)).dtype == tf.int32
 
 
+def testDtypeIsInheritedByChildrenLeftAtTheDefault():
+  layer = _StackParams().Set(dtype=tf.float64).Instantiate()
+  assert {v.dtype for v in layer.variables} == {tf.float64}
+  assert layer.out.fprop_dtype == tf.float64
+  half = _StackParams().Set(dtype=tf.float64, fprop_dtype=tf.float32).Instantiate()
+  assert half.out.vars.w.dtype == tf.float64 and half.out.fprop_dtype == tf.float32
+
+
 def testParamsInitIsInheritedByChildrenLeftAtTheDefault():
   """Lingvo's rule: a parent's params_init reaches every child that names none; a child's
   own, and a variable's own (b's constant), still win."""

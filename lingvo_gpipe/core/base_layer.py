@@ -117,7 +117,7 @@ class BaseLayer(tf.Module):
     """Params of this layer class; `p.Instantiate()` builds one."""
     p = hyperparams.InstantiableParams(cls)
     p.Define('name', '', 'Layer name: the last component of its variable path.')
-    p.Define('dtype', tf.float32, 'Dtype of the variables.')
+    p.Define('dtype', tf.float32, "Dtype of the variables; left at float32, the parent's.")
     p.Define('fprop_dtype', None,
              'Dtype of activations; None inherits the parent\'s, else `dtype`.')
     p.Define('random_seed', None,
@@ -140,6 +140,8 @@ class BaseLayer(tf.Module):
     super().__init__(name=params.name)
     parent = _PARENT.get()
     p = params.Copy()
+    if parent and p.dtype == tf.float32:
+      p.dtype = parent.params.dtype
     if p.random_seed is None:
       p.random_seed = parent.params.random_seed if parent else 0
     if p.fprop_dtype is None:
