@@ -140,6 +140,9 @@ class PipelineModel(keras.Model):
                          jit_compile=jit_compile)
     self._pipeline = None
     self._output_shape = None
+    if input_shape is not None and shape is not None and tuple(input_shape) != shape:
+      raise ValueError(f'PipelineModel: input_shape={tuple(input_shape)}, but the layers '
+                       f'take examples of shape {shape} (their keras.Input).')
     shape = input_shape if input_shape is not None else shape
     self._input_shape = None if shape is None else tuple(shape)
     if self._input_shape is not None:

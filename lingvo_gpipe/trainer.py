@@ -177,6 +177,11 @@ class ClusterConfig:
     if job_name in spec and task >= len(spec[job_name]):
       raise base_runner.UserError(f'--task={task} but {source} lists {len(spec[job_name])} '
                                   f'{job_name} task(s).')
+    if FLAGS['task'].present and task and job_name not in spec:
+      raise base_runner.UserError(
+          f'--task={task} picks a process of its job in the cluster spec, and --job={FLAGS.job} '
+          f'is not a job of {"it: " + ", ".join(spec) if spec else "any (none given)"}; drop '
+          '--task.')
     if spec and not uses_cluster:
       raise base_runner.UserError(
           f'--cluster_spec is for --job=trainer_client, worker and the evalers; --job={FLAGS.job} '

@@ -224,6 +224,13 @@ def testScheduleAndVirtualStagesAreChecked():
 
 
 
+def testAnInputShapeOtherThanTheLayersIsAClearError():
+  seq = keras.Sequential([keras.Input((12,))] + _Layers())
+  with pytest.raises(ValueError, match=r'input_shape=\(9,\), but the layers take examples of '
+                     r'shape \(12,\)'):
+    keras_pipeline.PipelineModel(seq, num_stages=2, input_shape=(9,))
+
+
 def testAMaskIsRefusedNotLostAtACut():
   """Embedding(mask_zero=True) | pooling: the pooling would average the padding too."""
   layers = [keras.Input((6,), dtype='int32'), keras.layers.Embedding(10, 4, mask_zero=True),

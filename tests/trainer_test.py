@@ -300,6 +300,9 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
        '--job=trainer_client needs a cluster with a worker job'),
       (['--job=worker', '--cluster_spec=worker=localhost:2222', '--task=1'],
        '--task=1 but --cluster_spec lists 1 worker task(s).'),
+      ([model, logdir, '--task=3'],
+       '--task=3 picks a process of its job in the cluster spec, and --job=controller,trainer is '
+       'not a job of any (none given); drop --task.'),
       ([model, logdir, '--cluster_spec=worker=localhost'],
        "address 'localhost' of job 'worker' is not host:port"),
       ([model, logdir, '--cluster_spec=worker=localhost:2222'],
