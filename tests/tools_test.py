@@ -14,6 +14,7 @@ import pytest
 
 from lingvo_gpipe.core import planner
 from lingvo_gpipe.core import schedule
+from lingvo_gpipe.core import simulator
 
 _TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tools')
 TOOLS = ('pipeline_benchmark', 'throughput_benchmark', 'memory_curves', 'capacity_benchmark',
@@ -126,6 +127,12 @@ def testMemoryCurves(runs):
     ('memory_curves', ['--schedules=1f1b,bogus'], "--schedules=['1f1b', 'bogus']"),
     ('plan_balance', ['--choose', '--schedule=gpipe'], '--choose picks the schedule and remat'),
     ('plan_balance', ['--memory_cap_mb=0'], '--memory_cap_mb must be a positive number'),
+    ('plan_balance', ['--stages=0'], 'flag --stages=0: 0 is not a positive integer'),
+    ('plan_balance', ['--out=/nonexistent_dir/plan.json'],
+     'plan_balance: error: --out=/nonexistent_dir/plan.json: no directory /nonexistent_dir.'),
+    ('simulate_schedule', ['--stages=4,abc'],
+     'simulate_schedule: error: --stages=4,abc: expected positive integers'),
+    ('simulate_schedule', ['--schedules=bogus'], "error: Unknown schedule 'bogus'"),
 ])
 def testBadFlagsStopBeforeAnythingRuns(tool, args, message):
   proc = _Start(tool, *args)
@@ -231,6 +238,10 @@ def testSimulateSchedule(runs):
     expected = schedule.Schedule(r['schedule'], r['stages'], 4, v)
     assert r['bubble'] == pytest.approx(expected.BubbleFraction())
     assert r['max_in_flight'] == max(expected.MaxInFlight(k) for k in range(r['stages']))
+    # --activation_mb (1) is a stage's: each of zbv's two chunks keeps half of it.
+    assert r['peak_activation_mb'] == pytest.approx(simulator.Simulate(
+        simulator.Orders(r['schedule'], r['stages'], 4, v), 1.0 / v, 2.0 / v,
+        activation_bytes=1.0 / v).peak_activation_bytes.max())
   with open(os.path.join(runs['simulate_schedule'][1], 'sim.json')) as f:
     assert len([e for e in json.load(f)['traceEvents'] if e['ph'] == 'X']) == 2 * 2 * 4
   # A trace over the size limit is refused before anything is written.

@@ -42,9 +42,10 @@ flags.DEFINE_string('model', 'lm.synthetic.GPipeTransformerLmBig',
 flags.DEFINE_string('model_params_override', '',
                     "Params text 'a.b : value; ...' applied to the registered model, as the "
                     'trainer applies it.')
-flags.DEFINE_integer('stages', None, 'K; default the model\'s.')
+flags.DEFINE_integer('stages', None, 'K; default the model\'s.', lower_bound=1)
 flags.DEFINE_integer('micro_batches', None, 'M; default the model\'s. With --choose, the M '
-                     'whose micro-batch the layers are profiled at (the choice tries every M).')
+                     'whose micro-batch the layers are profiled at (the choice tries every M).',
+                     lower_bound=1)
 flags.DEFINE_enum('schedule', None, list(schedule_lib.SCHEDULE_NAMES),
                   'Schedule; default the model\'s.')
 flags.DEFINE_enum('remat', None, ['always', 'except_last', 'never'],
@@ -54,7 +55,7 @@ flags.DEFINE_list('remat_policy', None,
                   "none,every_layer,every_2; default the model's.")
 flags.DEFINE_float('memory_cap_mb', None, 'Per-device memory cap in MiB; default none.')
 flags.DEFINE_boolean('choose', False, 'Also choose M, the schedule and remat (see above).')
-flags.DEFINE_integer('top', 8, 'With --choose: candidates printed.')
+flags.DEFINE_integer('top', 8, 'With --choose: candidates printed.', lower_bound=1)
 flags.register_multi_flags_validator(
     ['choose', 'schedule', 'remat'],
     lambda f: not f['choose'] or (f['schedule'] is None and f['remat'] is None),
@@ -65,14 +66,18 @@ flags.register_validator('memory_cap_mb', lambda cap: cap is None or cap > 0,
 flags.DEFINE_float('action_overhead_ms', 0.5,
                    'Cost of each pipeline action besides its layers (dispatch, hand-over): '
                    'about 0.6 ms per action on this 2-core CPU (the tiny LM at M=32 ran 192 '
-                   'actions in 0.125 s a step); it keeps --choose from many tiny micro-batches.')
-flags.DEFINE_integer('optimizer_slots', 2, 'Optimizer tensors per weight (Adam 2, SGD 0).')
-flags.DEFINE_integer('repeats', 3, 'Timed runs per layer (median).')
-flags.DEFINE_integer('layers', 8, 'Built-in stacks: layers.')
-flags.DEFINE_integer('width', 256, 'Built-in stacks: width.')
-flags.DEFINE_integer('hidden', 1024, 'Built-in stacks: feed-forward hidden width.')
-flags.DEFINE_integer('rows', 64, 'Built-in stacks: batch rows (sequences for the Transformer).')
-flags.DEFINE_integer('seq_len', 64, 'Built-in Transformer: sequence length.')
+                   'actions in 0.125 s a step); it keeps --choose from many tiny micro-batches.',
+                   lower_bound=0.0)
+flags.DEFINE_integer('optimizer_slots', 2, 'Optimizer tensors per weight (Adam 2, SGD 0).',
+                     lower_bound=0)
+flags.DEFINE_integer('repeats', 3, 'Timed runs per layer (median).', lower_bound=1)
+flags.DEFINE_integer('layers', 8, 'Built-in stacks: layers.', lower_bound=1)
+flags.DEFINE_integer('width', 256, 'Built-in stacks: width.', lower_bound=1)
+flags.DEFINE_integer('hidden', 1024, 'Built-in stacks: feed-forward hidden width.',
+                     lower_bound=1)
+flags.DEFINE_integer('rows', 64, 'Built-in stacks: batch rows (sequences for the Transformer).',
+                     lower_bound=1)
+flags.DEFINE_integer('seq_len', 64, 'Built-in Transformer: sequence length.', lower_bound=1)
 flags.DEFINE_string('out', os.path.join(tempfile.gettempdir(), 'balance_plan.json'),
                     'Where the plan goes.')
 
@@ -127,6 +132,9 @@ def _Profile(tf):
 
 def main(argv):
   del argv
+  out_dir = os.path.dirname(os.path.abspath(FLAGS.out))
+  if not os.path.isdir(out_dir):  # Said now, not after minutes of profiling.
+    sys.exit(f'plan_balance: error: --out={FLAGS.out}: no directory {out_dir}.')
   tf = bench_utils.SetUpDevices(1)
   from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
   load_before = bench_utils.Load()

@@ -32,23 +32,40 @@ flags.DEFINE_list('stages', ['4', '64', '1024'], 'K values (ignored with --plan)
 flags.DEFINE_list('micro_batches', ['16', '512', '8192'], 'M values.')
 flags.DEFINE_list('schedules', ['gpipe', '1f1b'],
                   f'Schedules, of {list(schedule_lib.SCHEDULE_NAMES)}.')
-flags.DEFINE_float('forward_ms', 1.0, 'Forward time of a micro-batch per stage.')
-flags.DEFINE_float('backward_ms', 2.0, 'Backward time (with any recompute) per stage.')
+flags.DEFINE_float('forward_ms', 1.0, 'Forward time of a micro-batch per stage.',
+                   lower_bound=0.0)
+flags.DEFINE_float('backward_ms', 2.0, 'Backward time (with any recompute) per stage.',
+                   lower_bound=0.0)
 flags.DEFINE_string('plan', None, 'A balance plan whose stage costs replace the uniform ones.')
 flags.DEFINE_float('speedup', 1.0, 'Divide the plan\'s times by this (other hardware).')
-flags.DEFINE_float('transfer_ms', 0.0, 'Hand-over time per stage boundary.')
+flags.register_validator('speedup', lambda x: x > 0, '--speedup must be positive.')
+flags.DEFINE_float('transfer_ms', 0.0, 'Hand-over time per stage boundary.', lower_bound=0.0)
 flags.DEFINE_float('activation_mb', 1.0,
-                   'MiB a stage keeps per micro-batch in flight (ignored with --plan: its '
-                   'stage inputs).')
+                   'MiB a stage keeps per micro-batch in flight, split between its chunks '
+                   'when it has several (ignored with --plan: its stage inputs).',
+                   lower_bound=0.0)
 flags.DEFINE_string('trace_out', None, 'Chrome trace of the first prediction.')
 flags.DEFINE_integer('trace_max_actions', 200_000,
                      'Refuse a --trace_out of more actions (about 200 bytes each).')
 flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
 
 
+def _Counts(name):
+  """The positive ints of list flag `name`; exits with a one-line error naming a bad one."""
+  values = FLAGS[name].value
+  try:
+    counts = [int(x) for x in values]
+  except ValueError:
+    counts = []
+  if len(counts) != len(values) or min(counts) < 1:
+    sys.exit(f'simulate_schedule: error: --{name}={",".join(values)}: expected positive '
+             'integers, e.g. 4,8.')
+  return counts
+
+
 def _Cases():
   """(K, M, forward ms per stage, backward ms per stage, MiB kept per micro-batch)."""
-  ms = [int(m) for m in FLAGS.micro_batches]
+  ms = _Counts('micro_batches')
   if FLAGS.plan:
     from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
     plan = planner.LoadPlan(FLAGS.plan)
@@ -56,8 +73,8 @@ def _Cases():
     kept = [plan.layers[j].input_bytes / 2**20 for j in [0] + plan.ends[:-1]]
     return [(plan.num_stages, m, [f * 1e3 / FLAGS.speedup for f in forward],
              [b * 1e3 / FLAGS.speedup for b in backward], kept) for m in ms]
-  return [(int(k), m, FLAGS.forward_ms, FLAGS.backward_ms, FLAGS.activation_mb)
-          for k in FLAGS.stages for m in ms]
+  return [(k, m, FLAGS.forward_ms, FLAGS.backward_ms, FLAGS.activation_mb)
+          for k in _Counts('stages') for m in ms]
 
 
 def _Chunks(cost, v):
@@ -82,9 +99,12 @@ def main(argv):
       sys.exit(f'simulate_schedule: error: {name} runs {v} chunks per device; a balance plan '
                'has one per stage.')
     start = time.perf_counter()
-    prediction = simulator.Simulate(simulator.Orders(name, k, m, v), _Chunks(forward, v),
-                                    _Chunks(backward, v), transfer_cost=FLAGS.transfer_ms,
-                                    activation_bytes=kept)
+    try:
+      prediction = simulator.Simulate(simulator.Orders(name, k, m, v), _Chunks(forward, v),
+                                      _Chunks(backward, v), transfer_cost=FLAGS.transfer_ms,
+                                      activation_bytes=_Chunks(kept, v))
+    except ValueError as e:  # An unknown schedule, or an M it cannot run.
+      sys.exit(f'simulate_schedule: error: {e}')
     seconds = time.perf_counter() - start
     results.append(dict(schedule=name, stages=k, micro_batches=m,
                         step_ms=prediction.step_time, bubble=prediction.bubble_fraction,
