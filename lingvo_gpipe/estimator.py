@@ -161,6 +161,14 @@ class _VariableStore(tf.Module):
       yield
 
 
+def _CheckSteps(**counts):
+  """Raises a ValueError naming a step count that is given but not a positive int."""
+  for name, value in counts.items():
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or
+                              value < 1):
+      raise ValueError(f'{name} must be a positive int or None, got {value!r}.')
+
+
 def _Features(element):
   """(features, labels) of an input element: a (features, labels) pair or features alone."""
   if isinstance(element, tuple) and len(element) == 2:
@@ -241,6 +249,7 @@ class Estimator:
     """Trains `steps` more steps, or up to global step `max_steps`, or until the input ends."""
     if max_steps is not None and steps is not None:
       raise ValueError('Give steps or max_steps, not both.')
+    _CheckSteps(steps=steps, max_steps=max_steps)
     start = self._LatestStep()
     target = max_steps if max_steps is not None else start + steps if steps is not None else np.inf
     if start >= target:
@@ -271,7 +280,11 @@ class Estimator:
       dict with 'loss', the eval metrics and 'global_step'; also summarized in
       <model_dir>/eval.
     """
+    _CheckSteps(steps=steps)
     dataset = self._Dataset(input_fn, ModeKeys.EVAL)
+    if steps is None and dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+      raise ValueError('evaluate: the input repeats forever; give steps, or an input that '
+                       'ends.')
     self._Restore(dataset.element_spec, ModeKeys.EVAL)
     eval_fn = self._Function('eval', dataset.element_spec, lambda: tf.function(
         lambda element: _Metrics(self._CallModelFn(element, ModeKeys.EVAL)), autograph=False))

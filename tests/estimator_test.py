@@ -168,3 +168,18 @@ def testModelFnMistakesAreClearErrors(tmp_path):
   est = estimator.Estimator(_LossOnlyModelFn, _Config(tmp_path / 'fresh'), eval_batch_size=8)
   with pytest.raises(base_runner.UserError, match='No checkpoint in .*fresh: train first'):
     est.evaluate(_PairsInputFn, steps=1)
+
+
+def testBadStepsAndAnEndlessEvaluationAreClearErrors(tmp_path):
+  est = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path))
+  train = estimator.RegistryInputFn(_MODEL, 'Train')  # Repeats forever.
+  for kwargs, message in ((dict(steps=0), 'steps must be a positive int or None, got 0'),
+                          (dict(steps=-5), 'got -5'), (dict(max_steps=1.5), 'got 1.5')):
+    with pytest.raises(ValueError, match=message):
+      est.train(train, **kwargs)
+  est.train(train, steps=1)
+  with pytest.raises(ValueError, match='steps must be a positive int or None, got -1'):
+    est.evaluate(train, steps=-1)
+  with pytest.raises(ValueError, match='evaluate: the input repeats forever; give steps'):
+    est.evaluate(train)
+  assert set(est.evaluate(train, steps=2)) > {'loss', 'global_step'}
