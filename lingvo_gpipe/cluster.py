@@ -57,15 +57,16 @@ def _CheckAddress(job, address, source):
 def ParseClusterSpec(text):
   """Lingvo's 'job=host:port,host:port@job2=host:port' as {job: [address, ...]}."""
   spec = {}
-  for part in filter(None, text.split('@')):
+  for part in filter(None, (p.strip() for p in text.split('@'))):
     job, sep, hosts = part.partition('=')
-    if not sep or not job or not hosts:
+    job, addresses = job.strip(), [a.strip() for a in hosts.split(',')]  # Spaces are fine.
+    if not sep or not job or not hosts.strip():
       raise ClusterError(f'--cluster_spec: {part!r} is not job=host:port[,host:port].')
     if job in spec:
       raise ClusterError(f'--cluster_spec: job {job!r} appears twice.')
-    for address in hosts.split(','):
+    for address in addresses:
       _CheckAddress(job, address, '--cluster_spec')
-    spec[job] = hosts.split(',')
+    spec[job] = addresses
   return spec
 
 

@@ -102,8 +102,10 @@ def testParseClusterSpec():
   assert cluster_lib.ParseClusterSpec('') == {}
   assert cluster_lib.ParseClusterSpec('worker=h0:1,h1:2@evaler=h2:3') == {
       'worker': ['h0:1', 'h1:2'], 'evaler': ['h2:3']}
+  assert cluster_lib.ParseClusterSpec(' worker = h0:1, h1:2 @ evaler=h2:3') == {
+      'worker': ['h0:1', 'h1:2'], 'evaler': ['h2:3']}
   for bad in ('worker', 'worker=h0', 'worker=h0:x', 'worker=h0:1@worker=h1:2', '=h:1',
-              'worker=h0:70000'):
+              'worker=h0:70000', 'worker= ', 'worker=h0:1,'):
     with pytest.raises(cluster_lib.ClusterError, match='--cluster_spec'):
       cluster_lib.ParseClusterSpec(bad)
 
