@@ -190,7 +190,10 @@ class _Progress:
 
   def Speed(self, steps, seconds):
     """step_time and examples_per_second of one loop call, or of the calls so far (after the
-    first) when steps is None."""
+    first) when steps is None; none for the first call, whose time is mostly tracing (a
+    spike in TensorBoard)."""
+    if steps is not None and self._calls <= 1:
+      return {}
     if steps is None:
       if not self._steps:
         return {}
