@@ -371,6 +371,21 @@ def testATemplateFieldEqualToTheStacksValueIsFine():
   _SeqStack(**{'decoder_tpl.num_heads': 2, 'emb_tpl.max_len': 8}).Instantiate()
 
 
+def testATemplateReplacedByFreshParamsTakesTheStacksValues():
+  """Lingvo's p.decoder_tpl = Layer.Params().Set(...): its class defaults are not the user's
+  settings; a field set away from them still is."""
+  p = _SeqStack(decoder_tpl=lg.GPipeTransformerLayer.Params().Set(activation='GELU'))
+  stack = p.Instantiate()
+  dec = stack.LayersByPath()['stack/dec0']
+  assert (dec.params.num_heads, dec.params.input_dim, dec.params.activation) == (2, 8, 'GELU')
+  with pytest.raises(ValueError, match=r'decoder_tpl.hidden_dim is 7, but the stack sets it '
+                     r'from its hidden_dim \(16\)'):
+    _SeqStack(decoder_tpl=lg.GPipeTransformerLayer.Params().Set(hidden_dim=7)).Instantiate()
+  with pytest.raises(ValueError, match=r"decoder_tpl.mask_self_atten is False, but the stack "
+                     r"sets it to True by the layer's place in it"):
+    _SeqStack(**{'decoder_tpl.mask_self_atten': False}).Instantiate()
+
+
 def testBadResNetConfigIsAClearError():
   with pytest.raises(ValueError, match=r'image_shape must be \(height, width, channels\)'):
     _ResNet(image_shape=(8, 8)).Instantiate()

@@ -95,7 +95,7 @@ class GPipeEmbeddingLayer(base_layer.BaseLayer):
 
   def __init__(self, params):
     super().__init__(params)
-    layers.CreateChildrenSharingInit(self, self._ChildParams(self.params))
+    layers.CreateNamedChildren(self, self._ChildParams(self.params))
 
   def FProp(self, theta, state):
     ids = state[self.params.stream].ids
@@ -243,7 +243,7 @@ class GPipeSoftmaxLayer(base_layer.BaseLayer):
 
   def __init__(self, params):
     super().__init__(params)
-    layers.CreateChildrenSharingInit(self, self._ChildParams(self.params))
+    layers.CreateNamedChildren(self, self._ChildParams(self.params))
 
   def ShareEmbedding(self, embedding_layer):
     """Ties the softmax weights to `embedding_layer`'s (a GPipeEmbeddingLayer) table."""
@@ -319,7 +319,7 @@ class GPipeConvBlock(base_layer.BaseLayer):
     p = self.params
     if not (isinstance(p.stride, int) and p.stride > 0):
       raise ValueError(f'{self.path}: stride must be a positive int, got {p.stride!r}.')
-    layers.CreateChildrenSharingInit(self, self._ChildParams(p))
+    layers.CreateNamedChildren(self, self._ChildParams(p))
 
   def FProp(self, theta, state):
     p = self.params
@@ -392,7 +392,7 @@ class _GPipeStack(gpipe.PipeliningLayer):
     if isinstance(splits, int) and not isinstance(splits, bool):
       if not 1 <= splits <= n - 1:
         raise ValueError(f'{p.name}: splits={splits} cells, but the stack has {n} layers, '
-                         f'the softmax sharing a stage: expected 1 <= splits <= {n - 1}.')
+                         f'the softmax sharing a cell: expected 1 <= splits <= {n - 1}.')
       costs = profiler.LayerCosts(layer_params, cls.InputSpec(p))
       costs[-2] += costs.pop()  # The softmax rides with the layer before it.
       return partition.Balance(costs, splits)[:-1] + [n]
@@ -447,24 +447,24 @@ class _GPipeStack(gpipe.PipeliningLayer):
     return [len(cls.LayerParams(p)) - 1]  # The softmax rides with the layer before it.
 
 
-# The template fields GPipeTransformerStack sets from its own params, by template kind.
-_STACK_FIELDS = {
-    'emb': ('embedding_dim', 'max_len', 'dropout_prob'),
-    'transformer': ('input_dim', 'num_heads', 'hidden_dim', 'residual_dropout_prob',
-                    'atten_dropout_prob', 'relu_dropout_prob'),
-    'softmax': ('input_dim', 'label_smoothing', 'tie_embedding')}
-# The stack's param each of them comes from (GPipeTransformerStack._FromStack).
-_STACK_SOURCES = {
-    'embedding_dim': 'model_dim', 'input_dim': 'model_dim', 'max_len': 'max_seq_len',
-    'num_heads': 'num_heads', 'hidden_dim': 'hidden_dim', 'dropout_prob': 'dropout_prob',
+_TRANSFORMER_SET = {
+    'input_dim': 'model_dim', 'num_heads': 'num_heads', 'hidden_dim': 'hidden_dim',
     'residual_dropout_prob': 'dropout_prob', 'atten_dropout_prob': 'dropout_prob',
-    'relu_dropout_prob': 'dropout_prob', 'label_smoothing': 'label_smoothing',
-    'tie_embedding': 'tie_embeddings'}
+    'relu_dropout_prob': 'dropout_prob', 'final_layer_norm': None, 'mask_self_atten': None,
+    'has_aux_atten': None, 'aux_stream': None}
+# {template: {field GPipeTransformerStack sets: the stack param it copies, or None where the
+# layer's place in the stack decides}} (GPipeTransformerStack._FromStack).
+_STACK_SET = {
+    'emb_tpl': {'embedding_dim': 'model_dim', 'max_len': 'max_seq_len',
+                'dropout_prob': 'dropout_prob'},
+    'encoder_tpl': _TRANSFORMER_SET, 'decoder_tpl': _TRANSFORMER_SET,
+    'softmax_tpl': {'input_dim': 'model_dim', 'label_smoothing': 'label_smoothing',
+                    'tie_embedding': 'tie_embeddings'}}
 
 
-def _StackSet(tpl, kind):
-  """Template `tpl` with the fields the stack sets (_STACK_FIELDS[kind]) None."""
-  return tpl.Set(**{field: None for field in _STACK_FIELDS[kind]})
+def _StackSet(tpl, key):
+  """Template `tpl` with the fields the stack sets (_STACK_SET[key]) None."""
+  return tpl.Set(**{field: None for field in _STACK_SET[key]})
 
 
 class GPipeTransformerStack(_GPipeStack):
@@ -493,14 +493,14 @@ class GPipeTransformerStack(_GPipeStack):
              'Longest sequence: the position tables\' length, and the length assumed when '
              'balancing stages by FLOPs.')
     # The templates' fields that the stack sets from its own params are None here.
-    p.Define('emb_tpl', _StackSet(GPipeEmbeddingLayer.Params().Set(vocab_size=32), 'emb'),
+    p.Define('emb_tpl', _StackSet(GPipeEmbeddingLayer.Params().Set(vocab_size=32), 'emb_tpl'),
              'Embedding template (vocab_size); used for src and tgt.')
     p.Define('softmax_tpl', _StackSet(GPipeSoftmaxLayer.Params().Set(num_classes=32),
-                                      'softmax'),
+                                      'softmax_tpl'),
              'Softmax template (num_classes).')
-    p.Define('encoder_tpl', _StackSet(GPipeTransformerLayer.Params(), 'transformer'),
+    p.Define('encoder_tpl', _StackSet(GPipeTransformerLayer.Params(), 'encoder_tpl'),
              'Encoder layer template (e.g. activation).')
-    p.Define('decoder_tpl', _StackSet(GPipeTransformerLayer.Params(), 'transformer'),
+    p.Define('decoder_tpl', _StackSet(GPipeTransformerLayer.Params(), 'decoder_tpl'),
              'Decoder layer template (e.g. activation).')
     p.Define('label_smoothing', 0.0, 'Label smoothing of the trained cross entropy.')
     p.Define('dropout_prob', 0.0,
@@ -542,14 +542,11 @@ class GPipeTransformerStack(_GPipeStack):
   def LayerParams(cls, p):
     cls._Check(p)
     drop = p.dropout_prob
-    emb = cls._FromStack(p, 'emb_tpl', embedding_dim=p.model_dim, max_len=p.max_seq_len,
-                         dropout_prob=drop)
+    emb = cls._FromStack(p, 'emb_tpl')
 
     def Transformer(key, name, stream, last, **kwargs):
-      return cls._FromStack(
-          p, key, input_dim=p.model_dim, num_heads=p.num_heads, hidden_dim=p.hidden_dim,
-          residual_dropout_prob=drop, atten_dropout_prob=drop,
-          relu_dropout_prob=drop).Set(name=name, stream=stream, final_layer_norm=last, **kwargs)
+      return cls._FromStack(p, key, final_layer_norm=last, aux_stream='src',
+                            **kwargs).Set(name=name, stream=stream)
 
     out = []
     if p.num_encoder_layers:
@@ -560,26 +557,31 @@ class GPipeTransformerStack(_GPipeStack):
     if p.num_decoder_layers:
       out.append(emb.Copy().Set(name='tgt_emb', stream='tgt'))
       out += [Transformer('decoder_tpl', f'dec{i}', 'tgt', i == p.num_decoder_layers - 1,
-                          mask_self_atten=True, has_aux_atten=bool(p.num_encoder_layers),
-                          aux_stream='src')
+                          mask_self_atten=True, has_aux_atten=bool(p.num_encoder_layers))
               for i in range(p.num_decoder_layers)]
-    out.append(cls._FromStack(
-        p, 'softmax_tpl', input_dim=p.model_dim, label_smoothing=p.label_smoothing,
-        tie_embedding=p.tie_embeddings).Set(name='softmax', stream=cls.OutputStream(p)))
+    out.append(cls._FromStack(p, 'softmax_tpl').Set(name='softmax', stream=cls.OutputStream(p)))
     return out
 
   @classmethod
-  def _FromStack(cls, p, key, **values):
-    """A copy of template p.<key> with the fields the stack sets from its own params. One
-    the user set in the template to another value is a ValueError naming the stack's
-    param for it, not silently replaced."""
+  def _FromStack(cls, p, key, **placed):
+    """A copy of template p.<key> with the fields the stack sets (_STACK_SET): from its own
+    params, or by the layer's place (`placed`). A field the user set in the template to
+    another value is a ValueError, not silently replaced. Unset: None in the stack's own
+    templates; in a template replaced by a class's fresh Params(), the class default."""
     tpl = p.Get(key)
+    sources = _STACK_SET[key]
+    values = dict({field: p.Get(source) for field, source in sources.items() if source},
+                  **placed)
+    defaults = tpl.cls.Params()
+    own = any(tpl.Get(field) is None for field in sources)
     for field, value in values.items():
       mine = tpl.Get(field)
-      if mine is not None and mine != value:
-        source = _STACK_SOURCES[field]
-        raise ValueError(f'{p.name}: {key}.{field} is {mine!r}, but the stack sets it from its '
-                         f'{source} ({value!r}): set {source} instead.')
+      if mine == value or mine == (None if own else defaults.Get(field)):
+        continue
+      source = sources[field]
+      how = (f'from its {source} ({value!r}): set {source} instead' if source else
+             f"to {value!r} by the layer's place in it: leave it unset")
+      raise ValueError(f'{p.name}: {key}.{field} is {mine!r}, but the stack sets it {how}.')
     return tpl.Copy().Set(**values)
 
   @classmethod
