@@ -1352,3 +1352,27 @@ device1: F0@1 F1@1 L*@1 B1@1 W1@1 B0@1 W0@1
     loss = _Loss(pipe(x))
   assert _RelErr(loss, ref_loss) <= 1e-5
   _AssertGradsClose(tape.gradient(loss, pipe.trainable_variables), ref_grads)
+
+
+@pytest.mark.parametrize('cell_cls', [gpipe.FeatureExtractionLayer, layers.SequentialLayer])
+def testALayersOwnFPropDtypeHoldsAcrossCuts(cell_cls):
+  """A bfloat16 pipeline whose last layer computes in float32 (a float32 head): its output is
+  float32 and equals the layers run one after another, whatever kind of cell holds them."""
+  def Proj(name, **kwargs):
+    return layers.ProjectionLayer.Params().Set(name=name, input_dim=DIM, output_dim=DIM,
+                                               **kwargs)
+  cells = [cell_cls.Params().Set(name='c0', sub=[Proj('p0'), Proj('p1')]),
+           cell_cls.Params().Set(name='c1', sub=[Proj('p2'), Proj('out', fprop_dtype=tf.float32)])]
+  pipe = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells, num_micro_batches=1,
+                                            fprop_dtype=tf.bfloat16).Instantiate()
+  x = _Input()
+  y = pipe(x)
+  assert y.dtype == tf.float32
+  by_path = pipe.LayersByPath()
+  expected = tf.cast(x, tf.bfloat16)
+  for c, names in enumerate((('p0', 'p1'), ('p2', 'out'))):
+    for name in names:
+      layer = by_path[f'pipe/{name}'] if cell_cls is gpipe.FeatureExtractionLayer else (
+          by_path[f'pipe/c{c}/{name}'])
+      expected = layer.FProp(layer.theta, expected)
+  np.testing.assert_array_equal(y.numpy(), expected.numpy())

@@ -302,9 +302,10 @@ class PipeliningLayer(base_layer.BaseLayer):
     (the next cell's first), or after the last cell of the one that made them, so that a
     layer's own dtype (a float32 Keras layer under a mixed policy) holds across cuts."""
     last = c + 1 == len(self.cell)
-    cell = self.cell[c if last else c + 1]
-    subs = cell.sub if isinstance(cell, FeatureExtractionLayer) and cell.sub else [cell]
-    return subs[-1 if last else 0].fprop_dtype
+    layer = self.cell[c if last else c + 1]
+    while isinstance(layer, layers.SequentialLayer) and layer.sub:
+      layer = layer.sub[-1 if last else 0]
+    return layer.fprop_dtype
 
   def CellFProp(self, c, theta, args):
     """Chunk c's (output argument tuple, fetched activations), floats in _HandOverDType."""
