@@ -87,11 +87,11 @@ def _CheckDropoutProbs(layer, *names):
 # -- shared computation -------------------------------------------------------
 
 
-def CreateChildrenSharingInit(layer, child_params):
-  """Creates named children that share the layer's variable dtype and initializer."""
+def CreateNamedChildren(layer, child_params):
+  """Creates the children {name: params}; they take the layer's dtype and params_init as
+  any child left at the defaults does (base_layer)."""
   for name, p in child_params.items():
-    layer.CreateChild(name, p.Copy().Set(dtype=layer.params.dtype,
-                                         params_init=layer.params.params_init))
+    layer.CreateChild(name, p)
 
 
 def _BiasAndActivation(x, theta, p):
@@ -350,7 +350,7 @@ class SimpleFullSoftmax(base_layer.BaseLayer):
     p = self.params
     _CheckPositive(self, input_dim=p.input_dim, num_classes=p.num_classes)
     _CheckProb(self, 'label_smoothing', p.label_smoothing, low_open=False, high_open=True)
-    CreateChildrenSharingInit(self, {'proj': self._ProjectionParams(p)})
+    CreateNamedChildren(self, {'proj': self._ProjectionParams(p)})
 
   def Logits(self, theta, inputs):
     """[..., input_dim] -> logits [..., num_classes] in fprop_dtype."""
@@ -488,7 +488,7 @@ class MultiHeadedAttention(base_layer.BaseLayer):
     _CheckDropoutProbs(self, 'atten_dropout_prob')
     children = self._ProjectionParams(p)
     children['atten_dropout'] = _DropoutParams(p.atten_dropout_prob)
-    CreateChildrenSharingInit(self, children)
+    CreateNamedChildren(self, children)
 
   @property
   def _head_dim(self):
@@ -592,7 +592,7 @@ class TransformerAttentionLayer(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     _CheckDropoutProbs(self, 'residual_dropout_prob')
-    CreateChildrenSharingInit(self, self._ChildParams(self.params))
+    CreateNamedChildren(self, self._ChildParams(self.params))
 
   def FProp(self, theta, query, paddings=None, source_vecs=None):
     """Self-attention of query [B, T, D], or cross-attention to source_vecs [B, S, D].
@@ -654,7 +654,7 @@ class TransformerFeedForwardLayer(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     _CheckDropoutProbs(self, 'residual_dropout_prob', 'relu_dropout_prob')
-    CreateChildrenSharingInit(self, self._ChildParams(self.params))
+    CreateNamedChildren(self, self._ChildParams(self.params))
 
   def FProp(self, theta, inputs):
     """[..., input_dim] -> [..., input_dim]."""
@@ -706,7 +706,7 @@ class TransformerLayer(base_layer.BaseLayer):
 
   def __init__(self, params):
     super().__init__(params)
-    CreateChildrenSharingInit(self, self._ChildParams(self.params))
+    CreateNamedChildren(self, self._ChildParams(self.params))
 
   def FProp(self, theta, inputs, paddings=None, aux_vecs=None, aux_paddings=None):
     """One layer over inputs [B, T, D].
