@@ -30,6 +30,7 @@ export_saved_model, from_registry).
 
 import contextlib
 import dataclasses
+import numbers
 import os
 
 import numpy as np
@@ -164,8 +165,8 @@ class _VariableStore(tf.Module):
 def _CheckSteps(**counts):
   """Raises a ValueError naming a step count that is given but not a positive int."""
   for name, value in counts.items():
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or
-                              value < 1):
+    if value is not None and (not isinstance(value, numbers.Integral) or
+                              isinstance(value, bool) or value < 1):
       raise ValueError(f'{name} must be a positive int or None, got {value!r}.')
 
 

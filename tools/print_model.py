@@ -100,7 +100,7 @@ def Inspect(tf, pipe, spec, batch_size, source):
         flops / 1e9 if flops is not None else None), output_bytes=_Bytes(tf, out)))
     profiles.append(profiler.LayerProfile(
         name=p.name, forward_s=float(flops or 0), backward_s=2.0 * float(flops or 0),
-        param_bytes=4 * int(count), input_bytes=_Bytes(tf, shapes),
+        param_bytes=tf.as_dtype(pipe.dtype).size * int(count), input_bytes=_Bytes(tf, shapes),
         activation_bytes=_Bytes(tf, out)))
     shapes = out
   plan = planner.Plan(source=source, layers=profiles, ends=list(ends),

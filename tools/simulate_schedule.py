@@ -57,7 +57,7 @@ def _Counts(name):
     counts = [int(x) for x in values]
   except ValueError:
     counts = []
-  if len(counts) != len(values) or min(counts) < 1:
+  if not values or len(counts) != len(values) or min(counts) < 1:
     sys.exit(f'simulate_schedule: error: --{name}={",".join(values)}: expected positive '
              'integers, e.g. 4,8.')
   return counts
