@@ -14,6 +14,7 @@ import math
 import tensorflow as tf
 
 from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.core import py_utils
 
 # Intervals a param may lie in: (low, low open, high, high open).
 _DECAY = (0.0, False, 1.0, True)  # [0, 1)
@@ -23,16 +24,6 @@ _NON_NEGATIVE = (0.0, False, math.inf, True)  # [0, inf)
 
 def _SlotKey(var):
   return var.name[:-2] if var.name.endswith(':0') else var.name
-
-
-def _CheckInterval(owner, name, value, interval):
-  """Raises a ValueError naming `name` unless `value` is a finite number in `interval`."""
-  low, low_open, high, high_open = interval
-  is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-  if not (is_number and math.isfinite(value) and (value > low if low_open else value >= low)
-          and (value < high if high_open else value <= high)):
-    raise ValueError(f'{owner}: {name} must be in {"(" if low_open else "["}{low:g}, {high:g}'
-                     f'{")" if high_open else "]"}, got {value!r}.')
 
 
 def _Rms(x):
@@ -52,7 +43,7 @@ class BaseOptimizer(tf.Module):
   def __init__(self, params):
     super().__init__(name=type(self).__name__)
     for name, interval in self.INTERVALS.items():
-      _CheckInterval(type(self).__name__, name, params.Get(name), interval)
+      py_utils.CheckInterval(type(self).__name__, name, params.Get(name), interval)
     self._params = params.Copy().Freeze()
     self.iterations = tf.Variable(0, dtype=tf.int64, trainable=False, name='iterations')
     self._slots = {}

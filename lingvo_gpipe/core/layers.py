@@ -71,11 +71,7 @@ def _CheckChoice(layer, name, value, choices):
 
 def _CheckProb(layer, name, value, low_open, high_open):
   """Raises a ValueError unless `value` is a probability in the given interval."""
-  is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-  if not (is_number and (value > 0.0 if low_open else value >= 0.0) and
-          (value < 1.0 if high_open else value <= 1.0)):
-    interval = f'{"(" if low_open else "["}0, 1{")" if high_open else "]"}'
-    raise ValueError(f'{layer.path}: {name} must be in {interval}, got {value!r}.')
+  py_utils.CheckInterval(layer.path, name, value, (0.0, low_open, 1.0, high_open))
 
 
 def _CheckDropoutProbs(layer, *names):

@@ -521,10 +521,7 @@ class GPipeTransformerStack(_GPipeStack):
       raise ValueError(f'{p.name}: expected num_encoder_layers or num_decoder_layers > 0, '
                        'got none.')
     for key in ('dropout_prob', 'label_smoothing'):
-      value = p.Get(key)
-      if not (isinstance(value, (int, float)) and not isinstance(value, bool) and
-              0.0 <= value < 1.0):
-        raise ValueError(f'{p.name}: {key} must be in [0, 1), got {value!r}.')
+      py_utils.CheckInterval(p.name, key, p.Get(key), (0.0, False, 1.0, True))
     if p.model_dim % p.num_heads:
       raise ValueError(f'{p.name}: model_dim={p.model_dim} is not divisible by '
                        f'num_heads={p.num_heads}; expected a multiple of {p.num_heads}.')

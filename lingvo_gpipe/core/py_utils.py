@@ -4,6 +4,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import math
 import zlib
 
 import tensorflow as tf
@@ -156,6 +157,17 @@ class WeightInit:
   def Constant(value=0.0):
     """Every element equals `value`."""
     return WeightInit._Spec('constant', float(value))
+
+
+def CheckInterval(owner, name, value, interval):
+  """Raises a ValueError naming `owner`'s `name` unless `value` is a finite number in
+  `interval`, (low, low open, high, high open): (0.0, False, 1.0, True) is [0, 1)."""
+  low, low_open, high, high_open = interval
+  is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if not (is_number and math.isfinite(value) and (value > low if low_open else value >= low)
+          and (value < high if high_open else value <= high)):
+    raise ValueError(f'{owner}: {name} must be in {"(" if low_open else "["}{low:g}, {high:g}'
+                     f'{")" if high_open else "]"}, got {value!r}.')
 
 
 def WeightParams(shape, init=None, dtype=None, trainable=True):
