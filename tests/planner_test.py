@@ -326,6 +326,9 @@ def testStackProfilesGlueTheSoftmaxAndTheTrainerTakesThePlan(tmp_path):
   profiles, glued = planner.PipelineProfiles(p, batch_size=2, repeats=1)
   assert [q.name for q in profiles] == ['tgt_emb', 'dec0', 'dec1', 'dec2', 'softmax']
   assert glued == [4]
+  # Profiled in the stack's dtype, which its layers inherit in the pipeline.
+  wide, _ = planner.PipelineProfiles(p.Copy().Set(dtype=tf.float64), batch_size=2, repeats=1)
+  assert [q.param_bytes for q in wide] == [2 * q.param_bytes for q in profiles]
   plan = planner.MakePlan(profiles, 3, 2, glued=glued, source='test')
   assert plan.ends[-1] == 5 and plan.ends[-2] <= 3
   path = str(tmp_path / 'plan.json')

@@ -475,5 +475,5 @@ def PipelineProfiles(p, batch_size, repeats=3, progress=None):
   layer_params, _ = pipeline_params.LayersAndEnds(p)
   profiles = profiler.ProfileLayers(layer_params, spec, batch_size, repeats,
                                     tie_fn=lambda built: p.cls.TieLayers(p, built),
-                                    progress=progress)
+                                    progress=progress, parent=p)
   return profiles, p.cls.GluedLayers(p)

@@ -95,7 +95,7 @@ def _ProfileOne(layer, theta, args, repeats, memory):
 
 
 def ProfileLayers(layer_params_list, input_spec, batch_size=None, repeats=3, tie_fn=None,
-                  progress=None, memory=True):
+                  progress=None, memory=True, parent=None):
   """LayerProfiles of layers run in order on random inputs.
 
   Args:
@@ -108,9 +108,14 @@ def ProfileLayers(layer_params_list, input_spec, batch_size=None, repeats=3, tie
       as their pipeline does (e.g. a tied softmax).
     progress: optional callable(i, n, LayerProfile) after each layer.
     memory: measure activation bytes (needs memory_stats' allocator statistics).
+    parent: params (e.g. the pipeline's) whose dtype, fprop_dtype, random_seed and
+      params_init the layers inherit, as they do in their pipeline.
   """
-  stack = layers_lib.SequentialLayer.Params().Set(
-      name='profile', sub=layer_params_list).Instantiate()
+  stack = layers_lib.SequentialLayer.Params().Set(name='profile', sub=layer_params_list)
+  if parent is not None:
+    stack.Set(dtype=parent.dtype, fprop_dtype=parent.fprop_dtype,
+              random_seed=parent.random_seed, params_init=parent.params_init.Copy())
+  stack = stack.Instantiate()
   if tie_fn:
     tie_fn(stack.sub)
   specs = input_spec if isinstance(input_spec, tuple) else (input_spec,)
