@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import keras_layer
+from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import py_utils
 
 
@@ -174,6 +175,23 @@ def testKerasPolicySetsFPropDtypeAndFPropDtypeSetsThePolicy():
   assert p.Instantiate().keras_layer.dtype_policy.name == 'mixed_float16'
   with pytest.raises(ValueError, match='computes in bfloat16 .* params.fprop_dtype is float32'):
     params[0].Copy().Set(fprop_dtype=tf.float32).Instantiate()
+
+
+def testAParentsDtypeGivesWayToTheKerasLayersOwn():
+  """Under a float64 parent a float32 Keras layer keeps float32, as in Keras; set in its
+  own params, a dtype other than the Keras layer's is an error."""
+  child = keras_layer.KerasLayer.Params().Set(name='k', layer=lambda: keras.layers.Dense(3),
+                                              input_shape=[4])
+  parent = layers.SequentialLayer.Params().Set(name='top', sub=[child], dtype=tf.float64)
+  layer = parent.Instantiate()
+  assert layer.sub[0].vars.kernel.dtype == tf.float32 and layer.sub[0].fprop_dtype == tf.float32
+  x = tf.ones([2, 4], tf.float64)
+  y = layer(x)
+  assert y.dtype == tf.float32
+  np.testing.assert_allclose(y, tf.cast(x, tf.float32) @ layer.sub[0].vars.kernel +
+                             layer.sub[0].vars.bias, rtol=1e-6)
+  with pytest.raises(ValueError, match='keeps variables in float32 but params.dtype is float64'):
+    child.Copy().Set(dtype=tf.float64).Instantiate()
 
 
 def testJitCompiledCells():

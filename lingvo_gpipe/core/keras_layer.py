@@ -32,7 +32,9 @@ Mixed precision: the Keras layer computes in its dtype policy's compute dtype,
 and that is this layer's fprop_dtype. A layer made under a mixed policy (e.g.
 `keras.mixed_precision.set_global_policy('mixed_bfloat16')`) sets fprop_dtype;
 a float32 Keras layer inside params whose fprop_dtype is bfloat16 or float16 is
-given the 'mixed_<dtype>' policy. Variables stay in their dtype.
+given the 'mixed_<dtype>' policy. Variables stay in their dtype. A dtype or
+fprop_dtype inherited from a parent (one that sets float64, say) gives way to
+the Keras layer's own; one set in this layer's params must match it.
 """
 
 import contextlib
@@ -133,7 +135,7 @@ class KerasLayer(base_layer.BaseLayer):
     shape = _ExampleShape(self.path, p.input_shape)
     with _KerasInitSeed(self.layer_seed), tf.variable_creator_scope(self._CreateVariable):
       layer = _NewKerasLayer(self.path, p.layer)
-      self._SetDTypePolicy(layer, explicit_fprop_dtype=params.fprop_dtype is not None)
+      self._SetDTypePolicy(layer, params)
       layer.build((None,) + shape)
     self._keras_layer = layer
     names = {var.ref(): name for name, var in self._variables_dict.items()}
@@ -179,26 +181,25 @@ class KerasLayer(base_layer.BaseLayer):
     self._variables_dict[unique] = var
     return var
 
-  def _SetDTypePolicy(self, layer, explicit_fprop_dtype):
-    """Reconciles the Keras layer's dtype policy with dtype and fprop_dtype (module doc)."""
+  def _SetDTypePolicy(self, layer, given):
+    """Reconciles the Keras layer's dtype policy with dtype and fprop_dtype (module doc);
+    `given` are the params as given, before a parent's dtypes were inherited."""
     p = self.params
     dtype, fprop_dtype = tf.as_dtype(p.dtype).name, tf.as_dtype(p.fprop_dtype).name
     if layer.variable_dtype != dtype:
-      raise ValueError(f'{self.path}: the Keras layer keeps variables in {layer.variable_dtype}'
-                       f' but params.dtype is {dtype}.')
+      if given.dtype != tf.float32:  # Set for this layer, not inherited.
+        raise ValueError(f'{self.path}: the Keras layer keeps variables in '
+                         f'{layer.variable_dtype} but params.dtype is {dtype}.')
+      dtype = layer.variable_dtype  # The Keras layer's own variables, as in Keras.
     compute = layer.compute_dtype
-    if compute == fprop_dtype:
-      return
-    if compute == dtype:
-      if fprop_dtype not in _MIXED_POLICIES:
-        raise ValueError(f'{self.path}: fprop_dtype {fprop_dtype} has no Keras mixed '
-                         f'policy; expected one of {sorted(_MIXED_POLICIES)} or {dtype}.')
+    if compute != fprop_dtype and compute == dtype and fprop_dtype in _MIXED_POLICIES:
       layer.dtype_policy = _MIXED_POLICIES[fprop_dtype]
-      return
-    if explicit_fprop_dtype or fprop_dtype != dtype:
+      compute = fprop_dtype
+    elif compute != fprop_dtype and given.fprop_dtype is not None:
       raise ValueError(f'{self.path}: the Keras layer computes in {compute} (its dtype policy '
                        f'{layer.dtype_policy.name}) but params.fprop_dtype is {fprop_dtype}.')
-    self._params = p.Copy().Set(fprop_dtype=tf.as_dtype(compute)).Freeze()
+    self._params = p.Copy().Set(dtype=tf.as_dtype(dtype),
+                                fprop_dtype=tf.as_dtype(compute)).Freeze()
 
   # -- computation -------------------------------------------------------------
 
