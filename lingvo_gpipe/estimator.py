@@ -277,6 +277,9 @@ class Estimator:
   def evaluate(self, input_fn, steps=None):
     """Metrics over `steps` batches (default: until the input ends) of the latest checkpoint.
 
+    An input that repeats forever (tf.data's INFINITE_CARDINALITY) needs `steps`; one
+    whose end tf.data cannot know (a generator) is read until it ends.
+
     Returns:
       dict with 'loss', the eval metrics and 'global_step'; also summarized in
       <model_dir>/eval.
