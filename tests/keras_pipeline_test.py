@@ -364,17 +364,17 @@ def testASequentialBlockIsCutLikeItsLayersAndAFunctionalModelIsRefused():
                                  num_stages=2)
 
 
-def testAFloat32HeadUnderFloat64Floatx():
-  """keras.config.set_floatx('float64') and a Dense(dtype='float32') head: each layer keeps
-  its variables and compute dtype, as in the Sequential."""
-  keras.config.set_floatx('float64')
+def testAFloat32HeadUnderAFloat64Policy():
+  """A float64 global policy and a Dense(dtype='float32') head: each layer keeps its
+  variables and compute dtype, as in the Sequential."""
+  keras.mixed_precision.set_global_policy('float64')  # Not floatx: another test's policy wins.
   try:
     keras.utils.set_random_seed(9)
     seq = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation='tanh'),
                             keras.layers.Dense(4, dtype='float32')])
     pipe = keras_pipeline.PipelineModel(seq, num_stages=2, num_micro_batches=2)
   finally:
-    keras.config.set_floatx('float32')
+    keras.mixed_precision.set_global_policy('float32')
   assert [w.dtype for w in pipe.get_weights()] == [w.dtype for w in seq.get_weights()] == [
       np.float64, np.float64, np.float32, np.float32]
   x, _ = _Data(8)
