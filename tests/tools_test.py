@@ -140,6 +140,19 @@ def testBadFlagsStopBeforeAnythingRuns(tool, args, message):
   assert proc.returncode != 0 and message in err and not out, err[-2000:]
 
 
+def testAPointsOwnErrorIsOneLine():
+  """A point that cannot run (4 rows, M=8) stops the sweep with its ValueError, not the child's
+  traceback wrapped in the parent's."""
+  proc = _Start('throughput_benchmark', *_TINY_TRANSFORMER, '--stages=2', '--micro_batches=8',
+                '--steps=1', '--bubble_steps=1')
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode != 0 and not out, err[-2000:]
+  assert err.strip().splitlines()[-1] == (
+      'throughput_benchmark.py: error: schedule=gpipe K=2 M=8 remat=always: A batch of 4 '
+      'examples is smaller than num_micro_batches=8: every micro-batch needs at least one '
+      'example.') and 'Traceback' not in err
+
+
 def testMemoryCurvesPerDeviceMeasuresEachWorkerOnItsOwn(tmp_path):
   """--per_device: each stage a worker process whose allocator logs its peak; every M runs
   as many micro-batches as --steps steps at the largest M."""

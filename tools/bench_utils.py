@@ -42,8 +42,19 @@ def RunIsolated(script, config, timeout=None):
   proc = subprocess.run([sys.executable, script, f'--single={json.dumps(config)}'],
                         capture_output=True, text=True, check=False, timeout=timeout)
   if proc.returncode:
+    last = (proc.stderr.strip().splitlines() or [''])[-1]
+    if last.startswith('ValueError: '):  # The configuration's own error: one line is the news.
+      raise SystemExit(f'{os.path.basename(script)}: error: {_Point(config)}: '
+                       f'{last[len("ValueError: "):]}')
     raise RuntimeError(f'Configuration {config} failed:\n{proc.stderr[-3000:]}')
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _Point(config):
+  """The point's settings a reader tells apart, e.g. 'K=2 M=8'."""
+  keys = ('schedule', 'stages', 'micro_batches', 'remat')
+  names = dict(stages='K', micro_batches='M')
+  return ' '.join(f'{names.get(k, k)}={config[k]}' for k in keys if k in config)
 
 
 def SetUpDevices(num_devices, intra_op_threads=0, inter_op_threads=0):
