@@ -164,6 +164,24 @@ def testFromTextTakesTheKindsAParamIsDefinedWith():
       p.FromText(line)
 
 
+def testKindsReadTextAsTheSingleKindParamsDo():
+  """An int reads as a float kind, and an unquoted word as a str kind, as for a float or str
+  default; a default outside its kinds is refused where it is defined."""
+  p = hyperparams.Params()
+  p.Define('rate', 0.5, 'A rate or a list of rates.', kinds=(float, list))
+  p.Define('mode', 'auto', 'A mode or a list of modes.', kinds=(str, list))
+  p.FromText('rate : 2')
+  assert p.rate == 2.0 and isinstance(p.rate, float)
+  p.FromText('mode : fast')
+  assert p.mode == 'fast'
+  p.FromText("mode : ['a', 'b']")
+  assert p.mode == ['a', 'b']
+  with pytest.raises(ValueError, match="as float or list \\(got str\\)"):
+    p.FromText("rate : 'x'")
+  with pytest.raises(ValueError, match="'count': default 1.5 is not one of its kinds int, list"):
+    p.Define('count', 1.5, 'A count or a list.', kinds=(int, list))
+
+
 def testFromTextUnknownKey():
   with pytest.raises(AttributeError, match='Did you mean: steps'):
     _Nested().FromText('stepss : 3')

@@ -67,8 +67,12 @@ class Params:
       raise AttributeError(f'Params name {name!r} is already defined.')
     if name in _RESERVED_NAMES:
       raise AttributeError(f'Params name {name!r} is reserved (a Params method).')
-    self._params[name] = _Param(name, default_value, description,
-                                None if kinds is None else tuple(kinds))
+    if kinds is not None:
+      kinds = tuple(kinds)
+      _OfKinds(default_value, kinds, lambda why: ValueError(
+          f'Params name {name!r}: default {default_value!r} is not one of its kinds '
+          f"{', '.join(k.__name__ for k in kinds)} ({why})."))
+    self._params[name] = _Param(name, default_value, description, kinds)
 
   def __getattr__(self, name):
     if name.startswith('__'):
@@ -397,10 +401,16 @@ def ParseValue(text, current, key='value', kinds=None):
   def Fail(why):
     return ValueError(f'Params key {key!r}: cannot parse {text!r} as {expected} ({why}).')
 
+  quoted = text[:1] in ('"', "'") and text[-1:] == text[:1]
   if kinds:
-    return _OfKinds(_Eval(text, Fail), kinds, Fail)
-  if isinstance(current, str) and not (text[:1] in ('"', "'") and text[-1:] == text[:1]):
-    return text  # Unquoted strings are accepted as they are.
+    try:
+      return _OfKinds(_Eval(text, Fail), kinds, Fail)
+    except ValueError:
+      if str in kinds and not quoted:
+        return text  # Unquoted strings are accepted as they are.
+      raise
+  if isinstance(current, str) and not quoted:
+    return text
   value = _Eval(text, Fail)
   if current is None or value is None:
     return value
@@ -431,6 +441,8 @@ def _OfKinds(value, kinds, fail):
   """`value` (a tuple as a list where only lists are taken) if it is one of `kinds`."""
   if isinstance(value, tuple) and list in kinds and tuple not in kinds:
     value = list(value)
+  if type(value) is int and float in kinds and int not in kinds:
+    value = float(value)
   if value is None or (isinstance(value, kinds) and
                        not (isinstance(value, bool) and bool not in kinds)):
     return value
