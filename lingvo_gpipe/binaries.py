@@ -10,13 +10,16 @@ script may too), and runs its main with Run(main):
   if __name__ == '__main__':
     binaries.Run(main)
 
-This module imports no TensorFlow itself.
+QuietTensorFlow imports TensorFlow; nothing else here does.
 """
 
 import functools
 import importlib.util
 import logging
 import os
+import re
+import sys
+import tempfile
 
 from absl import app
 from absl import flags
@@ -42,12 +45,54 @@ def QuietTensorFlow():
   as Python exceptions; TF_CPP_MIN_LOG_LEVEL=0 shows all of TensorFlow's lines.
   The INFO lines TensorFlow's Python code logs (through absl or its own logger:
   one per checkpoint save, the cluster client's session config) are dropped;
-  its warnings stay. The lines TensorFlow prints while its libraries load,
-  before its logging starts, are beyond reach here.
+  its warnings stay. It then imports TensorFlow, so that the lines its
+  libraries print while they load get the same level.
   """
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')  # No INFO, WARNING or ERROR lines.
   for name in ('absl', 'tensorflow'):
     logging.getLogger(name).addFilter(_NotTensorFlowInfo)  # Idempotent: the same filter.
+  if 'tensorflow' not in sys.modules:
+    _ImportTensorFlow()
+
+
+# A C++ log line's severity letter (absl / glog format: 'I1127 07:52:30.5 ...').
+_SEVERITY = re.compile(r'([IWEF])\d{4} ')
+_LEVELS = {'I': 0, 'W': 1, 'E': 2, 'F': 3}
+_BEFORE_INIT = 'WARNING: All log messages before absl::InitializeLog() is called'
+
+
+def _ImportTensorFlow():
+  """Imports TensorFlow, passing on only the stderr lines of its load that
+  TF_CPP_MIN_LOG_LEVEL lets through.
+
+  TensorFlow's C++ libraries log while they load (oneDNN is on, no CUDA
+  driver), before they read the level; the load's stderr goes to a file and
+  is written back filtered, whatever the import does.
+  """
+  level = os.environ['TF_CPP_MIN_LOG_LEVEL']
+  level = int(level) if level.isdigit() else 0
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as captured:
+    os.dup2(captured.fileno(), 2)
+    try:
+      import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      captured.seek(0)
+      lines = captured.read().decode(errors='replace').splitlines(keepends=True)
+      sys.stderr.write(''.join(line for line in lines if _Shown(line, level)))
+      sys.stderr.flush()
+
+
+def _Shown(line, level):
+  """Whether a line TensorFlow's load printed passes the C++ log level."""
+  if line.startswith(_BEFORE_INIT):
+    return level == 0
+  severity = _SEVERITY.match(line)
+  return not severity or _LEVELS[severity.group(1)] >= level
 
 
 def _ParseFlags(argv):
