@@ -38,9 +38,10 @@ _FENCE = re.compile(r'^```(\w*)\n(.*?)^```$', re.M | re.S)
 _MARKER = re.compile(r'<!-- readme_test: (\w+)(.*?)-->\n', re.S)
 _KINDS = ('run', 'file', 'ci', 'tree')
 # Lines a healthy run does not print: error level (absl and TensorFlow's C++), tracebacks,
-# retracing warnings, TensorFlow INFO lines the binaries drop.
-_NOISE = re.compile(r'^[EF]\d{4} .*|.*(Traceback|retracing|Sharding callback|default session '
-                    r'config).*', re.M)
+# retracing warnings, TensorFlow INFO lines the binaries drop (those of its load, logged before
+# its logging starts, carry the time 0000 00:00).
+_NOISE = re.compile(r'^[EF]\d{4} .*|^[IW]0000 00:00:.*|.*(Traceback|retracing|Sharding callback|'
+                    r'default session config).*', re.M)
 
 
 @dataclasses.dataclass(frozen=True)
