@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from lingvo_gpipe.core import microbatch
 from lingvo_gpipe.core import planner
 from lingvo_gpipe.core import schedule
 from lingvo_gpipe.core import simulator
@@ -206,6 +207,25 @@ def testPrintModelPrintsJsonOnlyWhenAsked(tmp_path):
   assert not [line for line in out.splitlines() if line in ('[', '{')]
   (summary,) = json.loads(json_out.read_text())
   assert [s['layers'] for s in summary['stages']] == [['layer0'], ['layer1']], summary
+
+
+def testPrintModelCountsTheMicroBatchesThePipelineRuns(tmp_path):
+  """micro_batch_size gives M as the pipeline computes it (rounded up, per replica), and a
+  replica's step FLOPs count its rows: the tiny LM's 32 rows with 2 replicas are half."""
+  summaries = []
+  for i, override in enumerate(['task.stack.micro_batch_size : 5',
+                                'task.stack.micro_batch_size : 4; task.stack.num_replicas : 2']):
+    json_out = tmp_path / f'model{i}.json'
+    _Finish(_Start('print_model', '--model=lm.synthetic.GPipeTransformerLmTiny',
+                   '--noshow_params', f'--model_params_override={override}',
+                   f'--json_out={json_out}'), timeout=120)
+    (summary,) = json.loads(json_out.read_text())
+    summaries.append(summary)
+  assert [s['num_micro_batches'] for s in summaries] == [
+      microbatch.NumMicroBatches(32, micro_batch_size=5),
+      microbatch.NumMicroBatches(32, micro_batch_size=4, num_replicas=2)] == [7, 4]
+  one, two = (s['layers'][1] for s in summaries)
+  assert one['name'] == 'dec0' and two['gflops'] == pytest.approx(one['gflops'] / 2)
 
 
 def testPlanBalance(runs):

@@ -1,8 +1,8 @@
 r"""Inspects a model: its params as text, its pipeline stages, their layers, sizes and FLOPs.
 
 For every PipeliningLayer of the model it prints the layers (class, parameters,
-forward FLOPs of a step from FPropMeta, output bytes per micro-batch) and the
-stages they form, with each stage's parameters, FLOPs and estimated memory per
+forward FLOPs of a replica's step from FPropMeta, output bytes of the largest
+micro-batch) and the stages they form, with each stage's parameters, FLOPs and estimated memory per
 device: weights, gradients and optimizer slots, plus the activations kept by the
 schedule, estimated from the layers' output sizes (the balance planner's memory
 model, with outputs standing in for the activations it measures, and the
@@ -86,15 +86,17 @@ def Inspect(tf, pipe, spec, batch_size, source):
   from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import profiler  # pylint: disable=g-import-not-at-top
   layer_params, ends = pipeline_params.LayersAndEnds(pipe)
-  num_micro = pipe.num_micro_batches if pipe.micro_batch_size is None else (
-      batch_size // pipe.micro_batch_size)
-  micro = batch_size // (num_micro * pipe.num_replicas)
+  from lingvo_gpipe.core import microbatch  # pylint: disable=g-import-not-at-top
+  num_micro = microbatch.NumMicroBatches(batch_size, pipe.num_micro_batches,
+                                         pipe.micro_batch_size, pipe.num_replicas)
+  replica_rows = -(-batch_size // pipe.num_replicas)  # The largest replica's part.
+  micro = -(-replica_rows // num_micro)  # Its largest micro-batch: what memory holds.
   params = profiler.LayerCosts(layer_params, None, cost='params')
   shapes = (_WithBatch(tf, spec, micro),)
   rows, profiles = [], []
   for p, count in zip(layer_params, params):
     meta = p.cls.FPropMeta(p, *shapes) if p.cls.HasFPropMeta() else None
-    flops = meta.flops * num_micro if meta else None
+    flops = meta.flops * replica_rows / micro if meta else None  # A step of one replica.
     out = tuple(meta.out_shapes) if meta else shapes
     rows.append(dict(name=p.name, cls=p.cls.__name__, params=int(count), gflops=(
         flops / 1e9 if flops is not None else None), output_bytes=_Bytes(tf, out)))
@@ -162,7 +164,8 @@ def main(argv):
     except ValueError as e:
       sys.exit(f'print_model: error: {pipe.name}: {e}')
     _Print(pipe.name, plan, layer_rows, stage_rows)
-    summary.append(dict(pipeline=pipe.name, layers=layer_rows, stages=stage_rows))
+    summary.append(dict(pipeline=pipe.name, num_micro_batches=plan.num_micro_batches,
+                        layers=layer_rows, stages=stage_rows))
   if FLAGS.json:
     print(json.dumps(summary, indent=1))
   if FLAGS.json_out:
