@@ -106,6 +106,7 @@ def _Profile(tf):
   if FLAGS.model in ('mlp', 'transformer'):
     layer_params, shape = bench_utils.LayerParams(bench_utils.FlagsConfig(FLAGS))
     k, m = FLAGS.stages or 4, FLAGS.micro_batches or 8
+    _CheckMicroBatches(shape[0], m)
     cells = gpipe.PartitionSequentialLayers(layer_params, k, tf.TensorShape(shape), 'flops')
     pipe = gpipe.PipeliningLayer.Params().Set(name=FLAGS.model, cell_tpl=cells)
     layer_params, own = pipeline_params.LayersAndEnds(pipe)
@@ -123,11 +124,22 @@ def _Profile(tf):
   _, pipe = pipelines[0]
   k = FLAGS.stages or pipeline_params.NumStages(pipe)
   m = FLAGS.micro_batches or pipeline_params.NumMicroBatches(pipe, params.input.batch_size)
+  if m is not None:
+    _CheckMicroBatches(params.input.batch_size, m)
   _, own = pipeline_params.LayersAndEnds(pipe)
   profiles, glued = planner.PipelineProfiles(pipe, params.input.batch_size // m, FLAGS.repeats,
                                              progress=Progress)
   return (profiles, glued, own, k, m, FLAGS.schedule or pipe.schedule,
           FLAGS.remat or pipe.remat, pipe.cell_remat_policy, params.input.batch_size)
+
+
+def _CheckMicroBatches(rows, m):
+  """Exits with the pipeline's own message if M micro-batches of a `rows` batch cannot train."""
+  from lingvo_gpipe.core import microbatch  # pylint: disable=g-import-not-at-top
+  try:
+    microbatch.NumMicroBatches(rows, m)
+  except ValueError as e:
+    sys.exit(f'plan_balance: error: {e}')
 
 
 def main(argv):
