@@ -231,7 +231,15 @@ def testAUsersOwnOrder():
     ('device0: F0@0', "must start with 'schedule <name>"),
     ('schedule x K=1 M=1 v=1\ndevice0: F0@0 X0@0', "'X0@0' is not an action"),
     ('schedule x K=1 M=1 v=1\ndevice1: F0@0', "expected 'device0: ...'"),
-    ('schedule x K=2 M=1 v=1\ndevice0: F0@0 L0@0 BW0@0', 'chunk 1 of 2 has no actions'),
+    ('schedule x K=2 M=1 v=1\ndevice0: F0@0 L0@0 BW0@0\ndevice1:', 'chunk 1 of 2 has no actions'),
+    ('schedule x K=3 M=1 v=1\ndevice0: F0@0 BW0@0\ndevice1: F0@1 L0@1 BW0@1',
+     'K=3 devices in its first line, but 2 device lines follow'),
+    ('schedule x K=1 M=0 v=1\ndevice0:', 'M=0 in its first line; expected at least 1'),
+    # The header's K and v are what runs: a device idle, or with other than v chunks, is not.
+    ('schedule x K=2 M=1 v=1\ndevice0: F0@0 F0@1 L0@1 BW0@1 BW0@0\ndevice1:',
+     r'device0 runs chunks \[0, 1\]; v=1 gives each device 1'),
+    ('schedule x K=2 M=1 v=2\ndevice0: F0@0 F0@1 F0@2 BW0@2 BW0@1 BW0@0\n'
+     'device1: F0@3 L0@3 BW0@3', r'device0 runs chunks \[0, 1, 2\]; v=2 gives each device 2'),
     # Refused before the checker lists the 60 billion actions such an M implies.
     ('schedule x K=1 M=20000000000 v=1\ndevice0: F0@0 L0@0 BW0@0',
      r'M=20000000000 micro-batches through K=1 x v=1 chunks need 20000000000 forwards; the '

@@ -543,6 +543,12 @@ class Schedule:
       raise ValueError(f"Schedule text must start with 'schedule <name> K=<devices> "
                        f"M=<micro-batches> v=<chunks per device>'; got {lines[:1]}.")
     name, k, m, v = head.group(1), *map(int, head.groups()[1:])
+    for field, value in (('K', k), ('M', m), ('v', v)):
+      if value < 1:
+        raise ValueError(f'Schedule text: {field}={value} in its first line; expected at least 1.')
+    if len(lines) - 1 != k:
+      raise ValueError(f'Schedule text: K={k} devices in its first line, but {len(lines) - 1} '
+                       'device lines follow.')
     orders = []
     for i, line in enumerate(lines[1:]):
       label, _, body = line.partition(':')
@@ -560,6 +566,11 @@ class Schedule:
           placement[a.chunk] = device
     if None in placement:
       raise ValueError(f'Schedule text: chunk {placement.index(None)} of {k * v} has no actions.')
+    for device in range(k):
+      chunks = [c for c in range(k * v) if placement[c] == device]
+      if len(chunks) != v:
+        raise ValueError(f'Schedule text: device{device} runs chunks {chunks}; v={v} gives each '
+                         f'device {v}.')
     return cls(name, k, m, v, orders=orders, placement=placement)
 
   def __str__(self):
