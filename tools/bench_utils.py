@@ -24,7 +24,21 @@ import subprocess
 import sys
 import time
 
+from absl import flags
 from lingvo_gpipe import binaries
+
+
+def DefineOutputPath(name, default, help_text):
+  """A string flag naming a file to write, whose directory must exist when the flags are
+  parsed: a missing one is said at once, not when the results are ready."""
+  flags.DEFINE_string(name, default, help_text)
+  flags.register_validator(
+      name, lambda path: not path or os.path.isdir(os.path.dirname(os.path.abspath(path))),
+      'its directory does not exist.')
+
+
+def DefineJsonOut():
+  DefineOutputPath('json_out', None, 'Also write the results JSON to this file.')
 
 
 def Progress(i, n, text):

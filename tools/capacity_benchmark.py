@@ -40,7 +40,7 @@ flags.DEFINE_integer('micro_batches', 32, 'M of the pipeline.')
 flags.DEFINE_list('remat_policies', ['none'], 'cell_remat_policy values of the pipeline runs.')
 flags.DEFINE_list('probe_layers', ['2', '4'], 'The two depths the line is fitted through.')
 flags.DEFINE_integer('max_layers', 1000, 'Deepest model tried (caps a quick run).')
-flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
+bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
 
 

@@ -61,7 +61,7 @@ flags.DEFINE_integer('steps_per_call', 4, 'Training steps per client call.')
 flags.DEFINE_integer('calls', 3, 'Timed calls per configuration.')
 flags.DEFINE_integer('bubble_steps', 3,
                      'Measured steps per M (the median bubble is kept); 0: none.')
-flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
+bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: one measuring process (JSON config).')
 
 

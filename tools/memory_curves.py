@@ -87,7 +87,7 @@ flags.register_multi_flags_validator(
     lambda f: not f['per_device'] or (f['schedules'] and f['model'] in ('mlp', 'transformer')),
     "--per_device needs --schedules and a built-in model (--model=mlp or transformer): it "
     "places the built-in pipeline's stages on worker processes.")
-flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
+bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
 
 

@@ -47,7 +47,7 @@ flags.DEFINE_enum('path', 'fprop', ['fprop', 'forward_backward'],
                   'FProp under tf.GradientTape (a model\'s train step) or ForwardBackward. '
                   "'1f1b' always runs ForwardBackward.")
 flags.DEFINE_integer('steps', 5, 'Timed steps per configuration (median reported).')
-flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
+bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
 
 

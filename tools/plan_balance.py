@@ -78,8 +78,8 @@ flags.DEFINE_integer('hidden', 1024, 'Built-in stacks: feed-forward hidden width
 flags.DEFINE_integer('rows', 64, 'Built-in stacks: batch rows (sequences for the Transformer).',
                      lower_bound=1)
 flags.DEFINE_integer('seq_len', 64, 'Built-in Transformer: sequence length.', lower_bound=1)
-flags.DEFINE_string('out', os.path.join(tempfile.gettempdir(), 'balance_plan.json'),
-                    'Where the plan goes.')
+bench_utils.DefineOutputPath('out', os.path.join(tempfile.gettempdir(), 'balance_plan.json'),
+                            'Where the plan goes.')
 
 
 def _Measured(profile):
@@ -144,9 +144,6 @@ def _CheckMicroBatches(rows, m):
 
 def main(argv):
   del argv
-  out_dir = os.path.dirname(os.path.abspath(FLAGS.out))
-  if not os.path.isdir(out_dir):  # Said now, not after minutes of profiling.
-    sys.exit(f'plan_balance: error: --out={FLAGS.out}: no directory {out_dir}.')
   tf = bench_utils.SetUpDevices(1)
   from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
   load_before = bench_utils.Load()

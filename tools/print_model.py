@@ -39,7 +39,7 @@ flags.DEFINE_integer('rows', 64, 'Built-in stacks: batch rows (sequences for the
 flags.DEFINE_integer('seq_len', 64, 'Built-in Transformer: sequence length.')
 flags.DEFINE_string('remat_policy', 'none', 'Built-in stacks: cell_remat_policy (core/remat.py).')
 flags.DEFINE_boolean('json', False, 'Also print the layers and stages as JSON, after the tables.')
-flags.DEFINE_string('json_out', None, 'Also write that JSON to this file.')
+bench_utils.DefineOutputPath('json_out', None, 'Also write that JSON to this file.')
 
 
 def _BuiltIn(tf):

@@ -36,6 +36,9 @@ flags.DEFINE_float('forward_ms', 1.0, 'Forward time of a micro-batch per stage.'
                    lower_bound=0.0)
 flags.DEFINE_float('backward_ms', 2.0, 'Backward time (with any recompute) per stage.',
                    lower_bound=0.0)
+flags.register_multi_flags_validator(
+    ['forward_ms', 'backward_ms'], lambda f: f['forward_ms'] + f['backward_ms'] > 0,
+    '--forward_ms and --backward_ms are both 0: a step of no work has no bubble to simulate.')
 flags.DEFINE_string('plan', None, 'A balance plan whose stage costs replace the uniform ones.')
 flags.DEFINE_float('speedup', 1.0, 'Divide the plan\'s times by this (other hardware).')
 flags.register_validator('speedup', lambda x: x > 0, '--speedup must be positive.')
@@ -44,10 +47,10 @@ flags.DEFINE_float('activation_mb', 1.0,
                    'MiB a stage keeps per micro-batch in flight, split between its chunks '
                    'when it has several (ignored with --plan: its stage inputs).',
                    lower_bound=0.0)
-flags.DEFINE_string('trace_out', None, 'Chrome trace of the first prediction.')
+bench_utils.DefineOutputPath('trace_out', None, 'Chrome trace of the first prediction.')
 flags.DEFINE_integer('trace_max_actions', 200_000,
                      'Refuse a --trace_out of more actions (about 200 bytes each).')
-flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
+bench_utils.DefineJsonOut()
 
 
 def _Counts(name):
@@ -68,7 +71,10 @@ def _Cases():
   ms = _Counts('micro_batches')
   if FLAGS.plan:
     from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
-    plan = planner.LoadPlan(FLAGS.plan)
+    try:
+      plan = planner.LoadPlan(FLAGS.plan)
+    except ValueError as e:
+      sys.exit(f'simulate_schedule: error: {e}')
     forward, backward = plan.StageCosts()
     kept = [plan.layers[j].input_bytes / 2**20 for j in [0] + plan.ends[:-1]]
     return [(plan.num_stages, m, [f * 1e3 / FLAGS.speedup for f in forward],

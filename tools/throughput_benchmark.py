@@ -47,7 +47,7 @@ flags.DEFINE_integer('intra_op_threads', 1, 'Threads of one op (0: TensorFlow de
 flags.DEFINE_integer('inter_op_threads', os.cpu_count() or 2,
                      'Ops run at once (0: TensorFlow default).')
 flags.DEFINE_string('trace_dir', None, 'Write each point\'s Chrome trace JSON here.')
-flags.DEFINE_string('json_out', None, 'Also write the results JSON to this file.')
+bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
 
 
