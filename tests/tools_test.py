@@ -144,7 +144,10 @@ def testMemoryCurves(runs):
     ('plan_balance', ['--model=mlp', '--rows=16', '--micro_batches=100'],
      'plan_balance: error: A batch of 16 examples is smaller than num_micro_batches=100'),
     ('simulate_schedule', ['--stages=4,abc'],
-     'simulate_schedule: error: --stages=4,abc: expected positive integers'),
+     "flag --stages=['4', 'abc']: expected positive integers, e.g. 4,8."),
+    ('throughput_benchmark', ['--stages=0'], "flag --stages=['0']: expected positive integers"),
+    ('pipeline_benchmark', ['--micro_batches='],
+     'flag --micro_batches=[]: expected positive integers'),
     ('simulate_schedule', ['--schedules=bogus'], "error: Unknown schedule 'bogus'"),
 ])
 def testBadFlagsStopBeforeAnythingRuns(tool, args, message):

@@ -37,6 +37,16 @@ def DefineOutputPath(name, default, help_text):
       'its directory does not exist.')
 
 
+def DefineCounts(name, default, help_text):
+  """A list flag of positive integers (K or M values), checked when the flags are parsed; it
+  may be empty only if its default is."""
+  flags.DEFINE_list(name, default, help_text)
+  flags.register_validator(
+      name, lambda values: (bool(values) or not default) and all(
+          v.isdigit() and int(v) > 0 for v in values),
+      'expected positive integers, e.g. 4,8.')
+
+
 def DefineJsonOut():
   DefineOutputPath('json_out', None, 'Also write the results JSON to this file.')
 

@@ -33,12 +33,12 @@ from lingvo_gpipe import binaries
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float('budget_mb', 256.0, 'Allocator budget of one training step, in MiB.')
-flags.DEFINE_list('widths', ['256'], 'Model widths d (hidden 4d, d/64 heads) to search.')
+bench_utils.DefineCounts('widths', ['256'], 'Model widths d (hidden 4d, d/64 heads) to search.')
 flags.DEFINE_integer('rows', 64, 'Batch sequences N.')
 flags.DEFINE_integer('seq_len', 64, 'Sequence length.')
 flags.DEFINE_integer('micro_batches', 32, 'M of the pipeline.')
 flags.DEFINE_list('remat_policies', ['none'], 'cell_remat_policy values of the pipeline runs.')
-flags.DEFINE_list('probe_layers', ['2', '4'], 'The two depths the line is fitted through.')
+bench_utils.DefineCounts('probe_layers', ['2', '4'], 'The two depths the line is fitted through.')
 flags.DEFINE_integer('max_layers', 1000, 'Deepest model tried (caps a quick run).')
 bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')

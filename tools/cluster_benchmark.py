@@ -47,7 +47,7 @@ flags.DEFINE_integer('layers', 8, 'Residual feed-forward layers (Transformer FFN
 flags.DEFINE_integer('width', 256, 'Model width.')
 flags.DEFINE_integer('hidden', 1024, 'Hidden width of each block.')
 flags.DEFINE_integer('rows', 4096, 'Global batch (rows).')
-flags.DEFINE_list('micro_batches', ['1', '2', '4', '8', '16'], 'M values.')
+bench_utils.DefineCounts('micro_batches', ['1', '2', '4', '8', '16'], 'M values.')
 flags.DEFINE_list('schedules', ['gpipe'], 'Pipeline schedules (PipeliningLayer.Params().schedule).')
 flags.DEFINE_enum('remat', 'never', ['always', 'except_last', 'never'],
                   "Re-materialization of the pipeline; 'never' does the baseline's work.")

@@ -59,18 +59,18 @@ flags.DEFINE_integer('hidden', 512, 'Feed-forward hidden width of the built-in m
 flags.DEFINE_integer('rows', 4096, 'Batch rows N (sequences for the Transformer).')
 flags.DEFINE_integer('seq_len', 64, 'Sequence length of the built-in Transformer.')
 flags.DEFINE_integer('fixed_stages', 2, 'K of the M sweep.')
-flags.DEFINE_list('micro_batches', ['1', '4', '16', '32'], 'M values of the M sweep.')
+bench_utils.DefineCounts('micro_batches', ['1', '4', '16', '32'], 'M values of the M sweep.')
 flags.DEFINE_integer('fixed_micro_batches', 16, 'M of the K sweep.')
-flags.DEFINE_list('stages', ['1', '2', '4'], 'K values of the K sweep.')
+bench_utils.DefineCounts('stages', ['1', '2', '4'], 'K values of the K sweep.')
 flags.DEFINE_enum('schedule', 'gpipe', list(schedule_lib.SCHEDULE_NAMES), 'Pipeline schedule.')
 flags.DEFINE_list('schedules', None, 'Compare these schedules over --micro_batches at '
                   '--fixed_stages instead of the K and M sweeps.')
 flags.DEFINE_integer('micro_batch_rows', None, 'With --schedules: rows per micro-batch (the '
                      'batch is M times this) instead of --rows.')
 flags.DEFINE_enum('remat', 'always', ['always', 'except_last', 'never'], 'Re-materialization.')
-flags.DEFINE_list('remat_every', [], "N values of a sweep of cell_remat_policy='every_N'; "
+bench_utils.DefineCounts('remat_every', [], "N values of a sweep of cell_remat_policy='every_N'; "
                   'empty: no such sweep.')
-flags.DEFINE_list('remat_stages', ['1', '2'], 'K values of the every_N sweep.')
+bench_utils.DefineCounts('remat_stages', ['1', '2'], 'K values of the every_N sweep.')
 flags.DEFINE_integer('steps', 2, 'Steps measured per point (the largest peak and the median '
                      'time are kept); with --schedules, those of the largest M, and a smaller '
                      'M runs as many micro-batches.')

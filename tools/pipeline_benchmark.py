@@ -37,8 +37,8 @@ flags.DEFINE_integer('width', None, 'Model width.')
 flags.DEFINE_integer('hidden', None, 'Hidden (feed-forward) width.')
 flags.DEFINE_integer('rows', None, 'Batch rows (sequences for the Transformer).')
 flags.DEFINE_integer('seq_len', 64, 'Sequence length of the Transformer.')
-flags.DEFINE_list('stages', ['1', '2', '4'], 'K values.')
-flags.DEFINE_list('micro_batches', ['1', '4', '8', '16', '32'], 'M values.')
+bench_utils.DefineCounts('stages', ['1', '2', '4'], 'K values.')
+bench_utils.DefineCounts('micro_batches', ['1', '4', '8', '16', '32'], 'M values.')
 flags.DEFINE_list('remat', ['always', 'except_last', 'never'], 'Re-materialization modes.')
 flags.DEFINE_list('schedules', ['gpipe', '1f1b'],
                   'Schedules (PipeliningLayer.Params().schedule: gpipe, 1f1b, interleaved_1f1b, '

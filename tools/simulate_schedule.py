@@ -28,8 +28,8 @@ from lingvo_gpipe.core import schedule as schedule_lib
 from lingvo_gpipe.core import simulator
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list('stages', ['4', '64', '1024'], 'K values (ignored with --plan).')
-flags.DEFINE_list('micro_batches', ['16', '512', '8192'], 'M values.')
+bench_utils.DefineCounts('stages', ['4', '64', '1024'], 'K values (ignored with --plan).')
+bench_utils.DefineCounts('micro_batches', ['16', '512', '8192'], 'M values.')
 flags.DEFINE_list('schedules', ['gpipe', '1f1b'],
                   f'Schedules, of {list(schedule_lib.SCHEDULE_NAMES)}.')
 flags.DEFINE_float('forward_ms', 1.0, 'Forward time of a micro-batch per stage.',
@@ -53,22 +53,9 @@ flags.DEFINE_integer('trace_max_actions', 200_000,
 bench_utils.DefineJsonOut()
 
 
-def _Counts(name):
-  """The positive ints of list flag `name`; exits with a one-line error naming a bad one."""
-  values = FLAGS[name].value
-  try:
-    counts = [int(x) for x in values]
-  except ValueError:
-    counts = []
-  if not values or len(counts) != len(values) or min(counts) < 1:
-    sys.exit(f'simulate_schedule: error: --{name}={",".join(values)}: expected positive '
-             'integers, e.g. 4,8.')
-  return counts
-
-
 def _Cases():
   """(K, M, forward ms per stage, backward ms per stage, MiB kept per micro-batch)."""
-  ms = _Counts('micro_batches')
+  ms = [int(m) for m in FLAGS.micro_batches]
   if FLAGS.plan:
     from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
     try:
@@ -80,7 +67,7 @@ def _Cases():
     return [(plan.num_stages, m, [f * 1e3 / FLAGS.speedup for f in forward],
              [b * 1e3 / FLAGS.speedup for b in backward], kept) for m in ms]
   return [(k, m, FLAGS.forward_ms, FLAGS.backward_ms, FLAGS.activation_mb)
-          for k in _Counts('stages') for m in ms]
+          for k in map(int, FLAGS.stages) for m in ms]
 
 
 def _Chunks(cost, v):
