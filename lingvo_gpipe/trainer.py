@@ -306,7 +306,6 @@ def _PipelineNames(task):
 
 def _PipelineStats(task, learner, forward_backward_fn, train_dir):
   """base_runner.PipelineStats of --pipeline_stats_every, or None when it is 0."""
-  _CheckFlagsAtLeast(0, 'pipeline_stats_every')
   every = FLAGS.pipeline_stats_every
   if not every:
     return None
@@ -541,7 +540,7 @@ def _Run():
   if not FLAGS.model:
     raise base_runner.UserError('--model is required (a registry key such as '
                                 'lm.synthetic.GPipeTransformerLmTiny).')
-  _CheckFlagsAtLeast(0, 'max_steps')
+  _CheckFlagsAtLeast(0, 'max_steps', 'pipeline_stats_every')
   _CheckFlagsAtLeast(1, 'checkpoint_max_to_keep', 'eval_batches')
   dataset_name = {'evaler_dev': 'Dev', 'evaler_test': 'Test'}.get(FLAGS.job, 'Train')
   model_params = base_runner.LoadModelParams(FLAGS.model, dataset_name,

@@ -320,6 +320,8 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
        '--eval_batches must be >= 1, got 0.'),
       ([model, logdir, '--job=evaler_dev', '--eval_batches=-1'],
        '--eval_batches must be >= 1, got -1.'),
+      ([model, logdir, '--pipeline_stats_every=-1'],
+       '--pipeline_stats_every must be >= 0, got -1.'),
   ] + ([] if tf.config.list_physical_devices('GPU') else [
       ([model, logdir, '--run_locally=gpu'],
        '--run_locally=gpu, but TensorFlow finds no GPU on this machine; use --run_locally=cpu.'),
@@ -328,6 +330,7 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
     code, err = _MainInProcess(capsys, *argv)
     lines = _ErrorLines(err)
     assert code == 1 and len(lines) == 1 and message in lines[0], (argv, err)
+    assert not os.path.exists(f'{tmp_path}/log/train/params.txt'), argv  # Before the run.
   assert not glob.glob(f'{tmp_path}/log/train/ckpt-*')  # Nothing trained or saved.
 
 
