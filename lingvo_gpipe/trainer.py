@@ -290,12 +290,28 @@ def _ApplyBalanceFile(task_params, path):
                     ', '.join(changes))
 
 
+def _Pipelines(task):
+  return [m for m in task.submodules if isinstance(m, gpipe.PipeliningLayer)]
+
+
+def _Describe(pipe):
+  """How a pipeline runs, in one line: its K, v and M come from several params."""
+  p = pipe.params
+  m = (f'M={p.num_micro_batches}' if p.micro_batch_size is None else
+       f'micro_batch_size={p.micro_batch_size}')
+  replicas = f' x {p.num_replicas} replicas' if p.num_replicas > 1 else ''
+  k = pipe.num_stages
+  return (f'{pipe.path}: {pipe.num_chunks} cells on K={k} device{"s" if k > 1 else ""} '
+          f'(v={pipe.num_chunks // k}){replicas}, {m}, schedule '
+          f'{schedule_lib.Name(p.schedule)}, remat {p.remat}')
+
+
 def _PipelineNames(task):
   """({(replica, stage): device name}, schedule label) of the task's pipeline, for trace
   tracks and logs; ({}, '') unless it has exactly one. The label is the configured
   schedule's (schedule.Name): the records do not show where the loss runs, so read off
   the actions a fill-drain text with per-micro-batch losses would pass for 'gpipe'."""
-  pipes = [m for m in task.submodules if isinstance(m, gpipe.PipeliningLayer)]
+  pipes = _Pipelines(task)
   if len(pipes) != 1:
     return {}, ''
   pipe, = pipes
@@ -361,6 +377,8 @@ def _Train(model_params, train_dir, logdir, input_device, stop):
   logging.info('Training %s from step %d to train.max_steps=%d (--max_steps=N to change). '
                'Checkpoints: %s; TensorBoard: tensorboard --logdir=%s', model_params.name, step,
                t.max_steps, train_dir, logdir)
+  for pipe in _Pipelines(task):
+    logging.info('Pipeline %s.', _Describe(pipe))
   settings = base_runner.LoopSettings(
       max_steps=t.max_steps, steps_per_loop=FLAGS.steps_per_loop,
       save_interval_steps=t.save_interval_steps, summary_interval_steps=t.summary_interval_steps,

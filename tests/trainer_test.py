@@ -207,8 +207,12 @@ def testHealthyRunLogsNoErrorsAndNoTensorFlowInfo(tmp_path):
   err = _Ok(_Finish(_Start(f'--logdir={tmp_path}', '--max_steps=4', cpp_log_level=None)))
   assert 'Saved checkpoint' in err and 'step 4/4' in err
   assert 'from step 0 to train.max_steps=4 (--max_steps=N to change)' in err
+  # How the pipeline runs: the toy's 2 layers, each a cell, its M=2, the default schedule.
+  assert re.search(r'Pipeline \S+/pipe: 2 cells on K=2 devices \(v=1\), M=2, schedule gpipe, '
+                   r'remat always\.', err), err[-3000:]
   noise = [line for line in err.splitlines()
-           if re.match(r'[EF]\d{4} ', line) or 'Sharding callback' in line or 'retracing' in line]
+           if re.match(r'[EF]\d{4} |[IW]0000 00:00:', line) or 'Sharding callback' in line or
+           'retracing' in line]
   assert not noise, err[-3000:]
 
 
