@@ -135,7 +135,7 @@ def _Print(name, plan, layer_rows, stage_rows):
       ('stage', lambda r: r['stage']), ('layers', lambda r: ', '.join(r['layers'])),
       ('parameters', lambda r: f"{r['params']:,}"),
       ('forward GFLOPs/step', lambda r: '-' if r['gflops'] is None else f"{r['gflops']:.3f}"),
-      ('est. memory MB', lambda r: f"{r['memory_mb']:.1f}")]))
+      ('memory MB est. from output sizes', lambda r: f"{r['memory_mb']:.1f}")]))
   if all(r['gflops'] is not None for r in stage_rows):
     print(f'\nBubble with FLOP-proportional stage costs: {plan.Predict().bubble_fraction:.3f}')
 
