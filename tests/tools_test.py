@@ -293,10 +293,12 @@ def testSimulateSchedule(runs):
   with open(os.path.join(runs['simulate_schedule'][1], 'sim.json')) as f:
     assert len([e for e in json.load(f)['traceEvents'] if e['ph'] == 'X']) == 2 * 2 * 4
   # A trace over the size limit is refused before anything is written.
+  trace = os.path.join(runs['simulate_schedule'][1], 'too_big.json')
   proc = _Start('simulate_schedule', '--stages=64', '--micro_batches=512',
-                '--trace_out=/nonexistent/t.json', '--trace_max_actions=1000')
+                f'--trace_out={trace}', '--trace_max_actions=1000')
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == 1 and 'over --trace_max_actions=1000' in err, err[-2000:]
+  assert not os.path.exists(trace)
 
 
 def testClusterBenchmark(runs):
