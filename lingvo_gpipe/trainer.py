@@ -262,12 +262,11 @@ def _Instantiate(model_params, train_dir, with_learner=False):
   """(task, global step, Learner or None, Checkpointer of train_dir)."""
   try:
     task = model_params.Instantiate().task
-  except ValueError as e:  # A bad config, e.g. from an override.
+    global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
+    learner = learner_lib.Learner(task.params.train, task.trainable_variables,
+                                  global_step) if with_learner else None
+  except ValueError as e:  # A bad config, e.g. from an override (the optimizer's too).
     raise base_runner.UserError(f'Cannot build the task: {e}') from None
-  global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
-  learner = None
-  if with_learner:
-    learner = learner_lib.Learner(task.params.train, task.trainable_variables, global_step)
   checkpointer = checkpointer_lib.Checkpointer(
       train_dir, task.variables, global_step, learner and learner.optimizer,
       max_to_keep=FLAGS.checkpoint_max_to_keep)
@@ -514,7 +513,10 @@ def RunClusterClient(model_params, cluster, dataset_name):
 
 def _SetUpLocalDevices(model_params, cluster):
   """Logical devices for the pipelines of a local run, and their replicas' placement."""
-  split_size = cluster.worker_split_size or pipeline_params.MaxStages(model_params.task) or 4
+  try:
+    split_size = cluster.worker_split_size or pipeline_params.MaxStages(model_params.task) or 4
+  except ValueError as e:  # A bad config, e.g. from an override.
+    raise base_runner.UserError(f'Cannot build the task: {e}') from None
   ConfigureLocalDevices(FLAGS.run_locally,
                         FLAGS.num_cpu_devices or cluster.worker_replicas * split_size)
   if cluster.worker_replicas > 1 or cluster.worker_split_size:

@@ -360,6 +360,9 @@ def testBadSplitsAreClearErrors(splits, message):
     ({'decoder_tpl.relu_dropout_prob': 0.5}, r'relu_dropout_prob .* from its dropout_prob'),
     ({'emb_tpl.dropout_prob': 0.5}, r'emb_tpl.dropout_prob is 0.5, .* its dropout_prob \(0.0\)'),
     ({'softmax_tpl.label_smoothing': 0.3}, r'from its label_smoothing \(0.0\)'),
+    # Micro-batches along the sequence would change the model (attention across them).
+    (dict(batch_dim=1), r'stack: batch_dim=1, but every tensor of a stack.s state has the batch '
+                        r'as dimension 0'),
 ])
 def testBadStackConfigsAreClearErrors(overrides, message):
   with pytest.raises(ValueError, match=message):

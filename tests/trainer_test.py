@@ -324,6 +324,12 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
        '--eval_batches must be >= 1, got 0.'),
       ([model, logdir, '--job=evaler_dev', '--eval_batches=-1'],
        '--eval_batches must be >= 1, got -1.'),
+      (['--model=lm.synthetic.GPipeTransformerLmTiny', logdir,
+        '--model_params_override=task.stack.virtual_stages : 0'],
+       'Cannot build the task: stack: virtual_stages=0 must be a positive int dividing the 2 '
+       'cells.'),
+      ([model, logdir, '--model_params_override=task.train.optimizer.beta1 : 1.5'],
+       'Cannot build the task: Adam: beta1 must be in [0, 1), got 1.5.'),
       ([model, logdir, '--pipeline_stats_every=-1'],
        '--pipeline_stats_every must be >= 0, got -1.'),
   ] + ([] if tf.config.list_physical_devices('GPU') else [

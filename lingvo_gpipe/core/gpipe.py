@@ -148,10 +148,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                        'params per stage.')
     if p.remat not in REMAT_MODES:
       raise ValueError(f'Unknown remat {p.remat!r}; expected one of {list(REMAT_MODES)}.')
-    if not isinstance(p.virtual_stages, int) or p.virtual_stages < 1 or (
-        len(p.cell_tpl) % p.virtual_stages):
-      raise ValueError(f'PipeliningLayer {self.path!r}: virtual_stages={p.virtual_stages!r} must '
-                       f'be a positive int dividing the {len(p.cell_tpl)} cells of cell_tpl.')
+    self.NumStagesOf(p)  # Checks virtual_stages.
     if p.micro_batch_size is not None and p.num_micro_batches != 1:
       raise ValueError(f'Set num_micro_batches ({p.num_micro_batches}) or micro_batch_size '
                        f'({p.micro_batch_size}), not both.')
@@ -221,7 +218,16 @@ class PipeliningLayer(base_layer.BaseLayer):
   @classmethod
   def NumStagesOf(cls, p):
     """K (devices) of pipeline params `p`, without building anything."""
-    return len(p.cell_tpl) // p.virtual_stages
+    return cls._StagesOf(p, len(p.cell_tpl))
+
+  @staticmethod
+  def _StagesOf(p, num_cells):
+    """K of `num_cells` cells, virtual_stages of them on each device."""
+    v = p.virtual_stages
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1 or num_cells % v:
+      raise ValueError(f'{p.name}: virtual_stages={v!r} must be a positive int dividing the '
+                       f'{num_cells} cells.')
+    return num_cells // v
 
   @classmethod
   def LayersAndEnds(cls, p):

@@ -416,6 +416,9 @@ class _GPipeStack(gpipe.PipeliningLayer):
     if params.cell_tpl:
       raise ValueError(f'{params.name}: cell_tpl is built from the stack params; leave it '
                        f'empty, got {len(params.cell_tpl)} cells.')
+    if params.batch_dim != 0:  # Any other would split sequences, not examples.
+      raise ValueError(f'{params.name}: batch_dim={params.batch_dim!r}, but every tensor of a '
+                       "stack's state has the batch as dimension 0: leave batch_dim at 0.")
     p = params.Copy()
     p.cell_tpl = self.CellParams(p)
     super().__init__(p)
@@ -430,7 +433,7 @@ class _GPipeStack(gpipe.PipeliningLayer):
   def NumStagesOf(cls, p):
     cells = len(p.cell_tpl) if p.cell_tpl else (
         p.splits if isinstance(p.splits, int) else len(p.splits))
-    return cells // p.virtual_stages
+    return cls._StagesOf(p, cells)
 
   @classmethod
   def LayersAndEnds(cls, p):
