@@ -3,9 +3,11 @@
 Two trainers writing one directory would interleave their checkpoints, so a
 second one refuses to start. The lock is an flock on <dir>/trainer.lock, which
 the kernel releases when its process dies, even by kill -9; the file's text
-says who holds it. A file left by a dead process on this host is stale and
-taken over; one from another host is refused, since whether its process lives
-cannot be told from here.
+says who holds it. A file whose flock is free, left by a process on this host,
+is stale and taken over, even if its pid now names another process (a restarted
+container's trainer is often pid 1 again); one from another host is refused,
+since whether its process lives cannot be told from here (a network file system
+may not carry the flock).
 """
 
 import datetime
@@ -37,16 +39,6 @@ def _Holder(fd):
   valid = (isinstance(holder, dict) and isinstance(holder.get('host'), str) and
            isinstance(holder.get('pid'), int) and holder['pid'] > 0)
   return holder if valid else {}
-
-
-def _PidAlive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # Alive, another user's.
-    return True
-  return True
 
 
 class RunLock:
@@ -81,10 +73,13 @@ class RunLock:
     return self
 
   def _TakeOver(self, holder):
-    """Accepts a holder left in the file if its process died (a message), else refuses."""
+    """Accepts a holder left in the file by a process of this host (a message), else refuses.
+
+    The flock is ours, so no process of this host holds the lock: the holder died.
+    """
     if not holder:
       return
-    if holder['host'] != socket.gethostname() or _PidAlive(holder['pid']):
+    if holder['host'] != socket.gethostname():
       os.close(self._fd)
       self._fd = None
       raise base_runner.UserError(

@@ -57,19 +57,22 @@ def testALockHeldByAnotherProcessIsRefused(tmp_path):
     pass
 
 
-def testAStaleLockOfADeadProcessIsTakenOverWithAMessage(tmp_path, caplog):
-  dead = _DeadPid()
-  _WriteHolder(tmp_path, socket.gethostname(), dead)
+@pytest.mark.parametrize('pid_now', ['dead', 'reused', 'mine'])
+def testAStaleLockOfThisHostIsTakenOverWithAMessage(tmp_path, caplog, pid_now):
+  """Its flock is free, so its holder died, whatever process its pid names now (a restarted
+  container's trainer may have the same pid, 1, as the one that died)."""
+  pid = {'dead': _DeadPid, 'reused': os.getppid, 'mine': os.getpid}[pid_now]()
+  _WriteHolder(tmp_path, socket.gethostname(), pid)
   with run_lock.RunLock(str(tmp_path)):
     assert json.load(open(_LockFile(tmp_path)))['pid'] == os.getpid()
   messages = [r.getMessage() for r in caplog.records if 'stale lock' in r.getMessage()]
-  assert len(messages) == 1 and f'pid {dead} on host {socket.gethostname()}' in messages[0]
+  assert len(messages) == 1 and f'pid {pid} on host {socket.gethostname()}' in messages[0]
 
 
-@pytest.mark.parametrize('host, alive', [('elsewhere', False), (None, True)])
-def testALockThatMayStillBeHeldIsRefusedAndKept(tmp_path, host, alive):
-  host = host or socket.gethostname()
-  pid = os.getppid() if alive else _DeadPid()
+@pytest.mark.parametrize('pid_now', ['dead', 'alive'])
+def testALockOfAnotherHostIsRefusedAndKept(tmp_path, pid_now):
+  host = 'elsewhere'
+  pid = os.getppid() if pid_now == 'alive' else _DeadPid()
   _WriteHolder(tmp_path, host, pid)
   before = open(_LockFile(tmp_path)).read()
   with pytest.raises(base_runner.UserError, match=f'names pid {pid} on host {host} since .*, '
