@@ -266,8 +266,9 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
     seconds = time.time() - start
     new_step = int(global_step.numpy())
     if not bool(out.finite):
-      raise NonFiniteError(f'Step {new_step}: {_NonFinite(out)}; training stopped without '
-                           f'applying the step. Last good checkpoint: '
+      raise NonFiniteError(f'The step from global step {new_step} to {new_step + 1}: '
+                           f'{_NonFinite(out)}; training stopped without applying it (global '
+                           f'step {new_step}). Last good checkpoint: '
                            f'{checkpointer.latest or "none"}.')
     if not measure:  # A measured step's time includes tracing it and the timing ops.
       progress.Record(new_step - step, seconds)

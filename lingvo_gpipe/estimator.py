@@ -42,6 +42,7 @@ from lingvo_gpipe import base_runner
 from lingvo_gpipe import checkpoint_files
 from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import learner as learner_lib
+from lingvo_gpipe import run_lock
 from lingvo_gpipe.core import executor
 from lingvo_gpipe.core import metrics as metrics_lib
 from lingvo_gpipe.core import py_utils
@@ -247,14 +248,25 @@ class Estimator:
   # -- public API ------------------------------------------------------------------------
 
   def train(self, input_fn, max_steps=None, steps=None):
-    """Trains `steps` more steps, or up to global step `max_steps`, or until the input ends."""
+    """Trains `steps` more steps, or up to global step `max_steps`, or until the input ends.
+
+    It holds model_dir's trainer lock (run_lock) meanwhile, as the trainer does: a trainer
+    or another Estimator training into the same directory is a UserError naming it.
+    """
     if max_steps is not None and steps is not None:
       raise ValueError('Give steps or max_steps, not both.')
     _CheckSteps(steps=steps, max_steps=max_steps)
+    os.makedirs(self.model_dir, exist_ok=True)
+    with run_lock.RunLock(self.model_dir):
+      self._Train(input_fn, max_steps, steps)
+    return self
+
+  def _Train(self, input_fn, max_steps, steps):
+    """train()'s work, holding the lock of model_dir."""
     start = self._LatestStep()
     target = max_steps if max_steps is not None else start + steps if steps is not None else np.inf
     if start >= target:
-      return self
+      return
     dataset = self._Dataset(input_fn, ModeKeys.TRAIN, start_batch=start)
     if self._learner is None:
       train_params = self._Trace(dataset.element_spec, ModeKeys.TRAIN).train_params
@@ -272,7 +284,6 @@ class Estimator:
     base_runner.RunTraining(loop_fn, iter(dataset), self._global_step, checkpointer,
                             self._Writer(self.model_dir), settings,
                             base_runner.BatchSize(dataset.element_spec))
-    return self
 
   def evaluate(self, input_fn, steps=None):
     """Metrics over `steps` batches (default: until the input ends) of the latest checkpoint.

@@ -11,6 +11,7 @@ import tensorflow as tf
 from lingvo_gpipe import base_runner
 from lingvo_gpipe import estimator
 from lingvo_gpipe import model_registry
+from lingvo_gpipe import run_lock
 from lingvo_gpipe.core import py_utils
 
 _PARAMS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'testdata', 'params')
@@ -139,10 +140,21 @@ def testLossOnlyModelFnTrainsLikeThePipelinesOwnBackward(tmp_path):
 def testNonFiniteLossStopsTrainingMidLoop(tmp_path):
   est = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path),
                                           model_params_override='task.nan_at_step : 4')
-  with pytest.raises(base_runner.NonFiniteError, match=r'^Step 4: loss nan'):
+  with pytest.raises(base_runner.NonFiniteError, match=r'^The step from global step 4 to 5: loss nan'):
     est.train(estimator.RegistryInputFn(_MODEL, 'Train'), max_steps=9)
   assert tf.train.latest_checkpoint(str(tmp_path)).endswith('ckpt-3')
   assert est.global_step == 4  # Step 3 ran in the second loop; step 4 was not applied.
+
+
+def testTrainingHoldsTheTrainersLock(tmp_path):
+  """A trainer (or another Estimator) training into model_dir: refused, nothing written."""
+  est = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path))
+  with run_lock.RunLock(str(tmp_path)):
+    with pytest.raises(base_runner.UserError, match=f'{tmp_path} is in use by another trainer'):
+      est.train(estimator.RegistryInputFn(_MODEL, 'Train'), steps=1)
+  assert not tf.train.latest_checkpoint(str(tmp_path))
+  est.train(estimator.RegistryInputFn(_MODEL, 'Train'), steps=1)  # Released: it trains.
+  assert est.global_step == 1 and not os.path.exists(tmp_path / run_lock.LOCK_FILE)
 
 
 def testCheckpointOfAnotherModelIsRefused(tmp_path):

@@ -163,8 +163,9 @@ def testNanStopsTrainingAndKeepsTheLastGoodCheckpoint(tmp_path):
   train_dir = os.path.join(logdir, 'train')
   lines = _ErrorLines(err)
   assert len(lines) == 1 and re.fullmatch(
-      r'trainer: error: Step 5: loss nan, gradient norm [0-9.]+ is not finite; training stopped '
-      f'without applying the step. Last good checkpoint: {re.escape(train_dir)}/ckpt-4.',
+      r'trainer: error: The step from global step 5 to 6: loss nan, gradient norm [0-9.]+ is '
+      r'not finite; training stopped without applying it \(global step 5\). Last good '
+      f'checkpoint: {re.escape(train_dir)}/ckpt-4.',
       lines[0]), lines
   latest = tf.train.latest_checkpoint(train_dir)
   assert latest.endswith('ckpt-4')
