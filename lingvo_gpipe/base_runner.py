@@ -131,7 +131,10 @@ class LoopSettings:
   log_interval_steps: int = 100
 
   def __post_init__(self):
-    for name in ('steps_per_loop', 'save_interval_steps'):
+    if self.max_steps < 0:
+      raise UserError(f'max_steps must be at least 0, got {self.max_steps}.')
+    for name in ('steps_per_loop', 'save_interval_steps', 'summary_interval_steps',
+                 'log_interval_steps'):
       if getattr(self, name) < 1:
         raise UserError(f'{name} must be at least 1, got {getattr(self, name)}.')
 

@@ -342,22 +342,26 @@ def RunTrainer(model_params, logdir, input_device=None, stop=None):
       current loop call with a checkpoint, and then raises preemption.Interrupted.
   """
   base_runner.CheckPipelineBatches(model_params)
+  t = model_params.train
+  settings = base_runner.LoopSettings(
+      max_steps=t.max_steps, steps_per_loop=FLAGS.steps_per_loop,
+      save_interval_steps=t.save_interval_steps, summary_interval_steps=t.summary_interval_steps,
+      log_interval_steps=t.log_interval_steps)
   train_dir = os.path.join(logdir, 'train')
   _MakeWritableDir(train_dir)
   with run_lock.RunLock(train_dir):
-    _Train(model_params, train_dir, logdir, input_device, stop)
+    _Train(model_params, settings, train_dir, logdir, input_device, stop)
 
 
-def _Train(model_params, train_dir, logdir, input_device, stop):
+def _Train(model_params, settings, train_dir, logdir, input_device, stop):
   """RunTrainer's work, holding the lock of train_dir."""
   task, global_step, learner, checkpointer = _Instantiate(model_params, train_dir,
                                                           with_learner=True)
   checkpointer.Recover()
   step = int(global_step.numpy())
-  t = model_params.train
-  if step >= t.max_steps:
+  if step >= settings.max_steps:
     logging.info('Global step %d is at train.max_steps=%d already: nothing to train.', step,
-                 t.max_steps)
+                 settings.max_steps)
     return
   with tf.device(input_device):
     dataset = base_runner.InputDataset(model_params.input, start_batch=step)
@@ -375,13 +379,9 @@ def _Train(model_params, train_dir, logdir, input_device, stop):
   writer = tf.summary.create_file_writer(train_dir)
   logging.info('Training %s from step %d to train.max_steps=%d (--max_steps=N to change). '
                'Checkpoints: %s; TensorBoard: tensorboard --logdir=%s', model_params.name, step,
-               t.max_steps, train_dir, logdir)
+               settings.max_steps, train_dir, logdir)
   for pipe in _Pipelines(task):
     logging.info('Pipeline %s.', _Describe(pipe))
-  settings = base_runner.LoopSettings(
-      max_steps=t.max_steps, steps_per_loop=FLAGS.steps_per_loop,
-      save_interval_steps=t.save_interval_steps, summary_interval_steps=t.summary_interval_steps,
-      log_interval_steps=t.log_interval_steps)
   step = base_runner.RunTraining(loop_fn, iterator, global_step, checkpointer, writer,
                                  settings, base_runner.BatchSize(dataset.element_spec),
                                  _PipelineStats(task, learner, ForwardBackward, train_dir), stop)

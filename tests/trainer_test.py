@@ -331,6 +331,10 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
        'cells.'),
       ([model, logdir, '--model_params_override=task.train.optimizer.beta1 : 1.5'],
        'Cannot build the task: Adam: beta1 must be in [0, 1), got 1.5.'),
+      ([model, logdir, '--model_params_override=train.max_steps : -5'],
+       'max_steps must be at least 0, got -5.'),
+      ([model, logdir, '--model_params_override=train.log_interval_steps : 0'],
+       'log_interval_steps must be at least 1, got 0.'),
       ([model, logdir, '--pipeline_stats_every=-1'],
        '--pipeline_stats_every must be >= 0, got -1.'),
   ] + ([] if tf.config.list_physical_devices('GPU') else [
