@@ -35,6 +35,7 @@ Mistakes a user can make are one line on stderr and exit code 1.
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import sys
 import time
@@ -117,7 +118,9 @@ flags.DEFINE_string('model_params_override', '',
                     "Params text applied to the model params: 'a.b : value' lines separated "
                     "by ';' or newlines, e.g. 'train.max_steps : 100; task.train.learning_rate "
                     ": 0.01'.")
-flags.DEFINE_integer('max_steps', None, 'Shortcut for the override train.max_steps.')
+flags.DEFINE_integer('max_steps', None,
+                     'Shortcut for the override train.max_steps. An evaler without it stops '
+                     "at its train.max_steps or the trainer's, whichever comes first.")
 flags.DEFINE_integer('steps_per_loop', 1,
                      'Training steps per tf.function call (a device-side loop).')
 flags.DEFINE_integer('checkpoint_max_to_keep', 5, 'Recent checkpoints kept (at least 1).')
@@ -442,19 +445,35 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
     if EvaluateCheckpoint(newest) is None:
       raise base_runner.UserError(f'Checkpoint {newest} was removed before it was evaluated.')
     return
-  max_steps = model_params.train.max_steps
+  max_steps = _TrainersMaxSteps(train_dir, model_params.train.max_steps)
   logging.info('Waiting for checkpoints in %s; evaluating until train.max_steps=%d.', train_dir,
                max_steps)
   step = None
   for path in _NewCheckpoints(checkpointer, FLAGS.eval_timeout_secs):
     evaluated = EvaluateCheckpoint(path)
     step = step if evaluated is None else evaluated
+    max_steps = _TrainersMaxSteps(train_dir, model_params.train.max_steps)  # It may resume.
     if step is not None and step >= max_steps:
       return
   evaluated = 'none evaluated yet' if step is None else f'last evaluated: step {step}'
   raise base_runner.UserError(
       f'No new checkpoint in {train_dir} for --eval_timeout_secs={FLAGS.eval_timeout_secs:g} '
       f'({evaluated}, train.max_steps={max_steps}): is the trainer running?')
+
+
+def _TrainersMaxSteps(train_dir, own):
+  """The step an evaler evaluates up to: --max_steps if given, else its train.max_steps or
+  less if the trainer of train_dir runs to less (its params.txt, e.g. from the trainer's own
+  --max_steps), since no checkpoint beyond that will come (until a trainer resumes with more).
+  """
+  if FLAGS.max_steps is not None:
+    return own
+  try:
+    with tf.io.gfile.GFile(os.path.join(train_dir, 'params.txt')) as f:
+      found = re.search(r'^train\.max_steps : (\d+)$', f.read(), re.M)
+  except tf.errors.NotFoundError:
+    return own
+  return min(own, int(found.group(1))) if found else own
 
 
 def _NewCheckpoints(checkpointer, timeout_secs, poll_secs=1.0):

@@ -141,6 +141,14 @@ def testTrainResumeAndEvaluate(tmp_path):
   for name, value in expected.items():
     np.testing.assert_allclose(resumed[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
+  # Without --max_steps an evaler stops at the trainer's end (its params.txt), not at the
+  # registered model's (6 here, where a trainer run to 2 never gets).
+  short = os.path.join(str(tmp_path), 'short')
+  _Ok(_Run(f'--logdir={short}', '--max_steps=2', '--model_params_override=train.max_steps : 20'))
+  err = _Ok(_Run(f'--logdir={short}', '--job=evaler_dev', '--eval_timeout_secs=60',
+                 '--model_params_override=train.max_steps : 20'))
+  assert 'evaluating until train.max_steps=2.' in err and 'eval_dev step 2 ' in err
+
   # An evaler waiting for steps that no trainer will write gives up.
   code, _, err = _Run(f'--logdir={logdir}', '--job=evaler_dev', '--max_steps=12',
                       '--eval_timeout_secs=1')
