@@ -113,7 +113,8 @@ flags.DEFINE_float('worker_memory_log_secs', 0.0,
                    'its own allocator (tools/memory_curves.py --per_device reads it).')
 flags.DEFINE_integer('num_cpu_devices', None,
                      'Logical CPU devices of a local run; default: worker_replicas x one per '
-                     'pipeline stage of the model (4 if the params name no stages).')
+                     'pipeline stage of the model (4 if the params name no stages), or more '
+                     "if a pipeline's own num_replicas needs more.")
 flags.DEFINE_string('model_params_override', '',
                     "Params text applied to the model params: 'a.b : value' lines separated "
                     "by ';' or newlines, e.g. 'train.max_steps : 100; task.train.learning_rate "
@@ -534,10 +535,11 @@ def _SetUpLocalDevices(model_params, cluster):
   """Logical devices for the pipelines of a local run, and their replicas' placement."""
   try:
     split_size = cluster.worker_split_size or pipeline_params.MaxStages(model_params.task) or 4
+    most = pipeline_params.MaxDevices(model_params.task)  # With a pipeline's num_replicas.
   except ValueError as e:  # A bad config, e.g. from an override.
     raise base_runner.UserError(f'Cannot build the task: {e}') from None
-  ConfigureLocalDevices(FLAGS.run_locally,
-                        FLAGS.num_cpu_devices or cluster.worker_replicas * split_size)
+  ConfigureLocalDevices(FLAGS.run_locally, FLAGS.num_cpu_devices or max(
+      cluster.worker_replicas * split_size, most))
   if cluster.worker_replicas > 1 or cluster.worker_split_size:
     PlacePipelines(model_params.task, cluster.worker_split_size, cluster.worker_replicas)
 

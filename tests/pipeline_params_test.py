@@ -35,6 +35,8 @@ def testFindGivesDottedPathsOutermostFirst():
   assert [path for path, _ in found] == ['task.pipes[0]', 'task.pipes[1]']
   assert pipeline_params.MaxStages(outer) == 2
   assert pipeline_params.MaxStages(layers.ProjectionLayer.Params()) == 0
+  outer.pipes[0].num_replicas = 3  # 2 stages x 3 replicas.
+  assert pipeline_params.MaxStages(outer) == 2 and pipeline_params.MaxDevices(outer) == 6
   # A pipeline inside a pipeline's cell runs within its stage: not one of the model's.
   nested = gpipe.PipeliningLayer.Params().Set(name='outer', cell_tpl=[_Pipe([1, 2])])
   assert [p.name for _, p in pipeline_params.Find(nested)] == ['outer']

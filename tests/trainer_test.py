@@ -225,6 +225,14 @@ def testHealthyRunLogsNoErrorsAndNoTensorFlowInfo(tmp_path):
   assert not noise, err[-3000:]
 
 
+def testDefaultDevicesCountAPipelinesOwnReplicas(tmp_path):
+  """2 stages x 2 replicas of the stack: 4 devices, not the 2 of its stages."""
+  err = _Ok(_Run(f'--logdir={tmp_path}', '--max_steps=1',
+                 '--model_params_override=task.stack.num_replicas : 2',
+                 model='lm.synthetic.GPipeTransformerLmTiny'))
+  assert 'Pipeline lm/stack: 2 cells on K=2 devices (v=1) x 2 replicas, M=2' in err
+
+
 def testHelpExitsZero():
   code, out, err = _Run('--help', model=None)
   assert code == 0 and '--model_params_override' in out, err[-3000:]

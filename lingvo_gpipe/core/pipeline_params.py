@@ -51,6 +51,11 @@ def MaxStages(params):
   return max((NumStages(p) for _, p in Find(params)), default=0)
 
 
+def MaxDevices(params):
+  """The most devices any pipeline of the params tree runs on: K x its own replicas."""
+  return max((NumStages(p) * p.num_replicas for _, p in Find(params)), default=0)
+
+
 def LayersAndEnds(p):
   """(layer params in the order they run, ascending end index of each stage) of `p`."""
   return p.cls.LayersAndEnds(p)
