@@ -129,8 +129,8 @@ def _Accumulate(total, theta, grads, added):
 
 
 def _Watch(tape, theta, args):
-  tape.watch([x for x in tf.nest.flatten(args) if IsFloatTensor(x)])
-  tape.watch(tf.nest.flatten(theta))
+  """Watches the float inputs and weights (not a Keras layer's integer state, e.g. a seed)."""
+  tape.watch([x for x in tf.nest.flatten((args, theta)) if IsFloatTensor(x)])
 
 
 def _Gradients(tape, targets, target_grads, sources):

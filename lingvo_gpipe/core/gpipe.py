@@ -472,7 +472,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       return args, None
     tape = tf.GradientTape(watch_accessed_variables=False)
     with tape:
-      tape.watch(tf.nest.flatten(theta.before))
+      tape.watch([x for x in tf.nest.flatten(theta.before) if executor.IsFloatTensor(x)])
       args = self._Before(theta, args)
     return args, tape
 
