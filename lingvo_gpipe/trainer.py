@@ -123,7 +123,8 @@ flags.DEFINE_integer('max_steps', None,
                      'Shortcut for the override train.max_steps. An evaler without it stops '
                      "at its train.max_steps or the trainer's, whichever comes first.")
 flags.DEFINE_integer('steps_per_loop', 1,
-                     'Training steps per tf.function call (a device-side loop).')
+                     'Training steps per tf.function call (a device-side loop); summaries '
+                     'and log lines come from the last step of a call.')
 flags.DEFINE_integer('checkpoint_max_to_keep', 5, 'Recent checkpoints kept (at least 1).')
 flags.DEFINE_integer('check_steps', 3, '--mode=check_pipeline: training steps to compare.')
 flags.DEFINE_float('check_tolerance', 1e-4,
