@@ -182,6 +182,41 @@ def testKindsReadTextAsTheSingleKindParamsDo():
     p.Define('count', 1.5, 'A count or a list.', kinds=(int, list))
 
 
+class _Adder:
+
+  @classmethod
+  def Params(cls):
+    p = hyperparams.InstantiableParams(cls)
+    p.Define('bias', 1, 'Added.')
+    return p
+
+
+class _OtherAdder(_Adder):
+  pass
+
+
+class _Scaler:
+
+  @classmethod
+  def Params(cls):
+    p = hyperparams.InstantiableParams(cls)
+    p.Define('scale', 2, 'Multiplied.')
+    return p
+
+
+def testATextSwapsAClassOnlyForOneOfTheSameParams():
+  """`x.cls : Other` keeps x's values, so Other must define the same params (Lingvo's
+  optimizer swap from Adam to Momentum is done in the params class)."""
+  outer = hyperparams.Params()
+  outer.Define('op', _Adder.Params(), 'The op.')
+  outer.FromText(f'op.cls : {__name__}._OtherAdder')
+  assert outer.op.cls is _OtherAdder and outer.op.bias == 1
+  with pytest.raises(ValueError, match=r"line 1: op.cls : _Scaler defines other params than op "
+                     r"holds \(missing \['scale'\], extra \['bias'\]\): set op = "
+                     r"_Scaler.Params\(\) in the params class instead"):
+    outer.FromText(f'op.cls : {__name__}._Scaler')
+
+
 def testFromTextUnknownKey():
   with pytest.raises(AttributeError, match='Did you mean: steps'):
     _Nested().FromText('stepss : 3')

@@ -217,8 +217,24 @@ class Params:
         current = self.Get(key)
       except (AttributeError, IndexError, TypeError) as e:
         raise AttributeError(f'Params text line {lineno}: {e}{self._ElsewhereHint(key)}') from None
-      self.Set(**{key: ParseValue(value_text, current, key, self._Kinds(key))})
+      value = ParseValue(value_text, current, key, self._Kinds(key))
+      self._CheckClassSwap(key, value, lineno)
+      self.Set(**{key: value})
     return self
+
+  def _CheckClassSwap(self, key, cls, lineno):
+    """Refuses a text `x.cls : Other` whose class defines other params than x holds: the
+    text sets values, it cannot rebuild x (its params class can: x = Other.Params())."""
+    owner, last = self._LookUp(key)
+    if last != 'cls' or not isinstance(cls, type) or not hasattr(cls, 'Params'):
+      return
+    theirs, ours = set(cls.Params()._params), set(owner._params)
+    if theirs != ours:
+      parent = key.rpartition('.')[0] or 'the params'
+      raise ValueError(
+          f'Params text line {lineno}: {key} : {cls.__name__} defines other params than '
+          f'{parent} holds (missing {sorted(theirs - ours)}, extra {sorted(ours - theirs)}): '
+          f'set {parent} = {cls.__name__}.Params() in the params class instead.')
 
   def _Kinds(self, key):
     """The types Define gave a dotted key, or None (an indexed key: its value's type)."""
