@@ -204,16 +204,25 @@ class _Scaler:
     return p
 
 
-def testATextSwapsAClassOnlyForOneOfTheSameParams():
-  """`x.cls : Other` keeps x's values, so Other must define the same params (Lingvo's
-  optimizer swap from Adam to Momentum is done in the params class)."""
+class _Constant:
+
+  @classmethod
+  def Params(cls):
+    return hyperparams.InstantiableParams(cls)
+
+
+def testATextSwapsAClassOnlyForOneThatReadsNoParamsItLacks():
+  """`x.cls : Other` keeps x's params, so Other may read no params x lacks (Lingvo's
+  optimizer swap from Adam to Momentum is done in the params class; to SGD, which reads
+  none of Adam's, a text does it)."""
   outer = hyperparams.Params()
   outer.Define('op', _Adder.Params(), 'The op.')
   outer.FromText(f'op.cls : {__name__}._OtherAdder')
   assert outer.op.cls is _OtherAdder and outer.op.bias == 1
-  with pytest.raises(ValueError, match=r"line 1: op.cls : _Scaler defines other params than op "
-                     r"holds \(missing \['scale'\], extra \['bias'\]\): set op = "
-                     r"_Scaler.Params\(\) in the params class instead"):
+  outer.FromText(f'op.cls : {__name__}._Constant')
+  assert outer.op.cls is _Constant
+  with pytest.raises(ValueError, match=r"line 1: op.cls : _Scaler reads params \['scale'\] that "
+                     r"op lacks: set op = _Scaler.Params\(\) in the params class instead"):
     outer.FromText(f'op.cls : {__name__}._Scaler')
 
 

@@ -223,18 +223,18 @@ class Params:
     return self
 
   def _CheckClassSwap(self, key, cls, lineno):
-    """Refuses a text `x.cls : Other` whose class defines other params than x holds: the
-    text sets values, it cannot rebuild x (its params class can: x = Other.Params())."""
+    """Refuses a text `x.cls : Other` whose class defines params x lacks: the text sets
+    values, it cannot add params to x (its params class can: x = Other.Params()). Params x
+    holds beyond Other's are left unread (Adam's betas under SGD)."""
     owner, last = self._LookUp(key)
     if last != 'cls' or not isinstance(cls, type) or not hasattr(cls, 'Params'):
       return
-    theirs, ours = set(cls.Params()._params), set(owner._params)
-    if theirs != ours:
+    lacking = sorted(set(cls.Params()._params) - set(owner._params))
+    if lacking:
       parent = key.rpartition('.')[0] or 'the params'
       raise ValueError(
-          f'Params text line {lineno}: {key} : {cls.__name__} defines other params than '
-          f'{parent} holds (missing {sorted(theirs - ours)}, extra {sorted(ours - theirs)}): '
-          f'set {parent} = {cls.__name__}.Params() in the params class instead.')
+          f'Params text line {lineno}: {key} : {cls.__name__} reads params {lacking} that '
+          f'{parent} lacks: set {parent} = {cls.__name__}.Params() in the params class instead.')
 
   def _Kinds(self, key):
     """The types Define gave a dotted key, or None (an indexed key: its value's type)."""
