@@ -17,9 +17,8 @@ import functools
 import importlib.util
 import logging
 import os
-import re
+import subprocess
 import sys
-import tempfile
 
 from absl import app
 from absl import flags
@@ -55,10 +54,8 @@ def QuietTensorFlow():
     _ImportTensorFlow()
 
 
-# A C++ log line's severity letter (absl / glog format: 'I1127 07:52:30.5 ...').
-_SEVERITY = re.compile(r'([IWEF])\d{4} ')
-_LEVELS = {'I': 0, 'W': 1, 'E': 2, 'F': 3}
-_BEFORE_INIT = 'WARNING: All log messages before absl::InitializeLog() is called'
+# Run by path: a process of its own that forwards the import's stderr lines as they come.
+_LOG_FILTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'log_filter.py')
 
 
 def _ImportTensorFlow():
@@ -66,33 +63,24 @@ def _ImportTensorFlow():
   TF_CPP_MIN_LOG_LEVEL lets through.
 
   TensorFlow's C++ libraries log while they load (oneDNN is on, no CUDA
-  driver), before they read the level; the load's stderr goes to a file and
-  is written back filtered, whatever the import does.
+  driver), before they read the level. The load's stderr goes through
+  log_filter.py in a process of its own, so a line is out even if the import
+  kills this one (a fatal line, an illegal instruction).
   """
   level = os.environ['TF_CPP_MIN_LOG_LEVEL']
   level = int(level) if level.isdigit() else 0
   sys.stderr.flush()
+  forward = subprocess.Popen([sys.executable, _LOG_FILTER, str(level)], stdin=subprocess.PIPE)
   saved = os.dup(2)
-  with tempfile.TemporaryFile() as captured:
-    os.dup2(captured.fileno(), 2)
-    try:
-      import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      captured.seek(0)
-      lines = captured.read().decode(errors='replace').splitlines(keepends=True)
-      sys.stderr.write(''.join(line for line in lines if _Shown(line, level)))
-      sys.stderr.flush()
-
-
-def _Shown(line, level):
-  """Whether a line TensorFlow's load printed passes the C++ log level."""
-  if line.startswith(_BEFORE_INIT):
-    return level == 0
-  severity = _SEVERITY.match(line)
-  return not severity or _LEVELS[severity.group(1)] >= level
+  os.dup2(forward.stdin.fileno(), 2)
+  try:
+    import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+  finally:
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    os.close(saved)
+    forward.stdin.close()
+    forward.wait()  # Its lines come before this process's next ones.
 
 
 def _ParseFlags(argv):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from lingvo_gpipe import binaries
+from lingvo_gpipe import log_filter
 
 _SCRIPT = ('from lingvo_gpipe import binaries\n'
            'binaries.QuietTensorFlow()\n'
@@ -14,11 +14,32 @@ _SCRIPT = ('from lingvo_gpipe import binaries\n'
            'print(int(tf.constant(3) * 2))\n')
 
 
-def testAHealthyStartPrintsNothingOnStderr():
+def _Start(env_changes, pythonpath=None):
   env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}  # A user's.
-  proc = subprocess.run([sys.executable, '-c', _SCRIPT], env=env, capture_output=True,
+  env.update(env_changes)
+  if pythonpath:
+    env['PYTHONPATH'] = os.pathsep.join([str(pythonpath)] + sys.path)
+  return subprocess.run([sys.executable, '-c', _SCRIPT], env=env, capture_output=True,
                         text=True, timeout=300, check=False)
+
+
+def testAHealthyStartPrintsNothingOnStderr():
+  proc = _Start({})
   assert proc.returncode == 0 and proc.stdout == '6\n' and proc.stderr == '', proc.stderr
+
+
+def testAnImportThatKillsTheProcessStillShowsItsFatalLine(tmp_path):
+  """The load's lines are forwarded as they come: a fatal line before an abort is out."""
+  fake = tmp_path / 'tensorflow'
+  fake.mkdir()
+  (fake / '__init__.py').write_text(
+      'import os\n'
+      "os.write(2, b'I0000 00:00:1.0 1 port.cc:1] oneDNN custom operations are on.\\n')\n"
+      "os.write(2, b'F0000 00:00:1.0 1 cpu.cc:1] This TensorFlow needs AVX.\\n')\n"
+      'os.abort()\n')
+  proc = _Start({}, pythonpath=tmp_path)
+  assert proc.returncode != 0 and proc.stdout == ''
+  assert proc.stderr == 'F0000 00:00:1.0 1 cpu.cc:1] This TensorFlow needs AVX.\n', proc.stderr
 
 
 @pytest.mark.parametrize('line,level,shown', [
@@ -30,8 +51,7 @@ def testAHealthyStartPrintsNothingOnStderr():
     ('F0000 00:00:17.9 28299 x.cc:1] Check failed\n', 3, True),
     ('WARNING: All log messages before absl::InitializeLog() is called are written to '
      'STDERR\n', 1, False),
-    ('To enable the following instructions: AVX2, in other operations, rebuild\n', 3, True),
     ('Traceback (most recent call last):\n', 3, True),
 ])
 def testTheLoadsLinesFollowTheLevel(line, level, shown):
-  assert binaries._Shown(line, level) is shown  # pylint: disable=protected-access
+  assert log_filter.Shown(line, level) is shown

@@ -1,0 +1,39 @@
+"""Passes on the lines of stdin that a C++ log level lets through (binaries.QuietTensorFlow).
+
+TensorFlow's libraries log while they load, before they read TF_CPP_MIN_LOG_LEVEL.
+A binary's TensorFlow import writes its stderr into this script, run as a process
+of its own: each line is forwarded (or dropped) as it comes, and what was read is
+out even if the import kills the binary (an illegal instruction, an abort).
+
+  python log_filter.py <level>    # 0: every line; 3: none of INFO, WARNING, ERROR.
+
+It imports nothing of the project, so it runs by path wherever the package lies.
+"""
+
+import re
+import sys
+
+# A C++ log line's severity letter (absl / glog format: 'I1127 07:52:30.5 ...').
+_SEVERITY = re.compile(r'([IWEF])\d{4} ')
+_LEVELS = {'I': 0, 'W': 1, 'E': 2, 'F': 3}
+_BEFORE_INIT = 'WARNING: All log messages before absl::InitializeLog() is called'
+
+
+def Shown(line, level):
+  """Whether a line passes C++ log level `level`; lines not in the log's format always do."""
+  if line.startswith(_BEFORE_INIT):
+    return level == 0
+  severity = _SEVERITY.match(line)
+  return not severity or _LEVELS[severity.group(1)] >= level
+
+
+def main(level):
+  for raw in sys.stdin.buffer:
+    line = raw.decode(errors='replace')
+    if Shown(line, level):
+      sys.stderr.write(line)
+      sys.stderr.flush()
+
+
+if __name__ == '__main__':
+  main(int(sys.argv[1]))
