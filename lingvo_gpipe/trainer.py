@@ -362,6 +362,9 @@ def _Train(model_params, settings, train_dir, logdir, input_device, stop):
   """RunTrainer's work, holding the lock of train_dir."""
   task, global_step, learner, checkpointer = _Instantiate(model_params, train_dir,
                                                           with_learner=True)
+  # Once the params build, so that an evaler learns soon where this run ends.
+  with tf.io.gfile.GFile(os.path.join(train_dir, 'params.txt'), 'w') as f:
+    f.write(model_params.ToText())
   checkpointer.Recover()
   step = int(global_step.numpy())
   if step >= settings.max_steps:
@@ -379,8 +382,6 @@ def _Train(model_params, settings, train_dir, logdir, input_device, stop):
     return metrics, learner_lib.GradientsAndVariables(theta, grads)
 
   loop_fn = learner.BuildLoop(dataset.element_spec, ForwardBackward)
-  with tf.io.gfile.GFile(os.path.join(train_dir, 'params.txt'), 'w') as f:
-    f.write(model_params.ToText())
   writer = tf.summary.create_file_writer(train_dir)
   logging.info('Training %s from step %d to train.max_steps=%d (--max_steps=N to change). '
                'Checkpoints: %s; TensorBoard: tensorboard --logdir=%s', model_params.name, step,
@@ -466,7 +467,8 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
 def _TrainersMaxSteps(train_dir, own):
   """The step an evaler evaluates up to: --max_steps if given, else its train.max_steps or
   less if the trainer of train_dir runs to less (its params.txt, e.g. from the trainer's own
-  --max_steps), since no checkpoint beyond that will come (until a trainer resumes with more).
+  --max_steps), since no checkpoint beyond that will come. An evaler started before a
+  trainer resumes with more steps stops at the old end: give it --max_steps.
   """
   if FLAGS.max_steps is not None:
     return own
