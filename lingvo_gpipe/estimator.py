@@ -202,7 +202,8 @@ class Estimator:
 
   def __init__(self, model_fn, config, params=None, train_batch_size=None, eval_batch_size=None,
                predict_batch_size=None):
-    for name in ('iterations_per_loop', 'save_checkpoints_steps', 'keep_checkpoint_max'):
+    for name in ('iterations_per_loop', 'save_checkpoints_steps', 'keep_checkpoint_max',
+                 'log_step_count_steps'):
       if getattr(config, name) < 1:
         raise base_runner.UserError(f'RunConfig.{name} must be >= 1, got '
                                     f'{getattr(config, name)}.')

@@ -58,7 +58,7 @@ class RunLock:
         os.close(fd)
         raise base_runner.UserError(
             f'{os.path.dirname(self._path)} is in use by another trainer ({_Describe(holder)}): '
-            'one trainer per logdir; stop it or use another --logdir.') from None
+            'one trainer per directory; stop it or train into another one.') from None
       if os.path.exists(self._path) and os.stat(self._path).st_ino == os.fstat(fd).st_ino:
         self._fd = fd
       else:  # The holder removed the file as we opened it: lock the new one.
@@ -84,7 +84,7 @@ class RunLock:
       self._fd = None
       raise base_runner.UserError(
           f'{self._path} names {_Describe(holder)}, which may still be running: if no trainer '
-          'uses this logdir, delete the file.')
+          'uses this directory, delete the file.')
     logging.warning('Taking over the stale lock %s of %s: that process is gone.', self._path,
                     _Describe(holder))
 

@@ -197,3 +197,7 @@ def testBadStepsAndAnEndlessEvaluationAreClearErrors(tmp_path):
   with pytest.raises(ValueError, match='evaluate: the input repeats forever; give steps'):
     est.evaluate(train)
   assert set(est.evaluate(train, steps=2)) > {'loss', 'global_step'}
+  for name in ('iterations_per_loop', 'save_checkpoints_steps', 'keep_checkpoint_max',
+               'log_step_count_steps'):  # Said when the Estimator is made.
+    with pytest.raises(base_runner.UserError, match=f'RunConfig.{name} must be >= 1, got 0'):
+      estimator.Estimator.from_registry(_MODEL, _Config(tmp_path, **{name: 0}))

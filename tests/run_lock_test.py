@@ -35,8 +35,8 @@ def testTheHolderIsWrittenAndASecondLockRefusedInOneLine(tmp_path):
       run_lock.RunLock(str(tmp_path)).__enter__()
     assert str(e.value) == (
         f'{tmp_path} is in use by another trainer (pid {os.getpid()} on host '
-        f'{socket.gethostname()} since {holder["start"]}): one trainer per logdir; stop it or '
-        'use another --logdir.')
+        f'{socket.gethostname()} since {holder["start"]}): one trainer per directory; stop it '
+        'or train into another one.')
   assert not os.path.exists(_LockFile(tmp_path))
 
 
