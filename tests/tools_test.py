@@ -163,10 +163,16 @@ def testAPointsOwnErrorIsOneLine():
                 '--steps=1', '--bubble_steps=1')
   out, err = proc.communicate(timeout=300)
   assert proc.returncode != 0 and not out, err[-2000:]
-  assert err.strip().splitlines()[-1] == (
+  line = err.strip().splitlines()[-1]
+  assert line.startswith(
       'throughput_benchmark.py: error: schedule=gpipe K=2 M=8 remat=always: A batch of 4 '
       'examples is smaller than num_micro_batches=8: every micro-batch needs at least one '
-      'example.') and 'Traceback' not in err
+      'example. (its traceback: python ') and 'Traceback' not in err, err[-2000:]
+  # The command it names runs that point alone, with its traceback.
+  single = line[line.index('--single=') + len("--single='"):-2]
+  proc = _Start('throughput_benchmark', f'--single={single}')
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode != 0 and 'Traceback' in err and 'A batch of 4 examples' in err
 
 
 def testMemoryCurvesPerDeviceMeasuresEachWorkerOnItsOwn(tmp_path):

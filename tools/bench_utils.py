@@ -67,9 +67,10 @@ def RunIsolated(script, config, timeout=None):
                         capture_output=True, text=True, check=False, timeout=timeout)
   if proc.returncode:
     last = (proc.stderr.strip().splitlines() or [''])[-1]
-    if last.startswith('ValueError: '):  # The configuration's own error: one line is the news.
-      raise SystemExit(f'{os.path.basename(script)}: error: {_Point(config)}: '
-                       f'{last[len("ValueError: "):]}')
+    if last.startswith('ValueError: '):  # Most likely the configuration's own error.
+      raise SystemExit(f'{os.path.basename(script)}: error: {_Point(config) or "a point"}: '
+                       f'{last[len("ValueError: "):]} (its traceback: python {script} '
+                       f"--single='{json.dumps(config)}')")
     raise RuntimeError(f'Configuration {config} failed:\n{proc.stderr[-3000:]}')
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
