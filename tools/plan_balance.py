@@ -106,7 +106,7 @@ def _Profile(tf):
   if FLAGS.model in ('mlp', 'transformer'):
     layer_params, shape = bench_utils.LayerParams(bench_utils.FlagsConfig(FLAGS))
     k, m = FLAGS.stages or 4, FLAGS.micro_batches or 8
-    _CheckMicroBatches(shape[0], m)
+    _MicroBatches(shape[0], m)
     cells = gpipe.PartitionSequentialLayers(layer_params, k, tf.TensorShape(shape), 'flops')
     pipe = gpipe.PipeliningLayer.Params().Set(name=FLAGS.model, cell_tpl=cells)
     layer_params, own = pipeline_params.LayersAndEnds(pipe)
@@ -123,21 +123,21 @@ def _Profile(tf):
     sys.exit(f'plan_balance: error: {FLAGS.model} has {len(pipelines)} pipelines; expected one.')
   _, pipe = pipelines[0]
   k = FLAGS.stages or pipeline_params.NumStages(pipe)
-  m = FLAGS.micro_batches or pipeline_params.NumMicroBatches(pipe, params.input.batch_size)
-  if m is not None:
-    _CheckMicroBatches(params.input.batch_size, m)
+  m = _MicroBatches(params.input.batch_size, FLAGS.micro_batches or pipe.num_micro_batches,
+                    None if FLAGS.micro_batches else pipe.micro_batch_size, pipe.num_replicas)
+  rows = -(-params.input.batch_size // pipe.num_replicas)  # One replica's: what it plans.
   _, own = pipeline_params.LayersAndEnds(pipe)
-  profiles, glued = planner.PipelineProfiles(pipe, params.input.batch_size // m, FLAGS.repeats,
-                                             progress=Progress)
+  profiles, glued = planner.PipelineProfiles(pipe, rows // m, FLAGS.repeats, progress=Progress)
   return (profiles, glued, own, k, m, FLAGS.schedule or pipe.schedule,
-          FLAGS.remat or pipe.remat, pipe.cell_remat_policy, params.input.batch_size)
+          FLAGS.remat or pipe.remat, pipe.cell_remat_policy, rows)
 
 
-def _CheckMicroBatches(rows, m):
-  """Exits with the pipeline's own message if M micro-batches of a `rows` batch cannot train."""
+def _MicroBatches(rows, m, micro_batch_size=None, replicas=1):
+  """M per replica of a `rows` batch, as the pipeline computes it; exits with the pipeline's
+  own message if they cannot train (fewer rows than micro-batches)."""
   from lingvo_gpipe.core import microbatch  # pylint: disable=g-import-not-at-top
   try:
-    microbatch.NumMicroBatches(rows, m)
+    return microbatch.NumMicroBatches(rows, m, micro_batch_size, replicas)
   except ValueError as e:
     sys.exit(f'plan_balance: error: {e}')
 
@@ -148,8 +148,6 @@ def main(argv):
   from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
   load_before = bench_utils.Load()
   profiles, glued, own_ends, k, m, schedule, remat, own_policy, rows = _Profile(tf)
-  if m is None:
-    sys.exit(f'plan_balance: error: the batch does not split into the model\'s micro-batches.')
   cap = None if FLAGS.memory_cap_mb is None else FLAGS.memory_cap_mb * 2**20
   try:
     choices = dict(remat_policies=FLAGS.remat_policy or [own_policy], memory_cap_bytes=cap,
