@@ -37,14 +37,25 @@ def DefineOutputPath(name, default, help_text):
       'its directory does not exist.')
 
 
+class _CountsParser(flags.ListParser):
+  """Comma-separated positive integers; an error quotes the text as typed."""
+
+  def __init__(self, allow_empty):
+    super().__init__()
+    self._allow_empty = allow_empty
+
+  def parse(self, argument):
+    values = super().parse(argument)
+    if not (values or self._allow_empty) or not all(v.isdigit() and int(v) > 0 for v in values):
+      raise ValueError('expected positive integers, e.g. 4,8.')
+    return values
+
+
 def DefineCounts(name, default, help_text):
   """A list flag of positive integers (K or M values), checked when the flags are parsed; it
   may be empty only if its default is."""
-  flags.DEFINE_list(name, default, help_text)
-  flags.register_validator(
-      name, lambda values: (bool(values) or not default) and all(
-          v.isdigit() and int(v) > 0 for v in values),
-      'expected positive integers, e.g. 4,8.')
+  flags.DEFINE(_CountsParser(allow_empty=not default), name, default, help_text,
+               serializer=flags.CsvListSerializer(','))
 
 
 def DefineJsonOut():

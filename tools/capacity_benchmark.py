@@ -42,6 +42,7 @@ bench_utils.DefineCounts('probe_layers', ['2', '4'], 'The two depths the line is
 flags.DEFINE_integer('max_layers', 1000, 'Deepest model tried (caps a quick run).')
 bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
+flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.
 
 
 

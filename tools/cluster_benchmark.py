@@ -63,6 +63,7 @@ flags.DEFINE_integer('bubble_steps', 3,
                      'Measured steps per M (the median bubble is kept); 0: none.')
 bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: one measuring process (JSON config).')
+flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.
 
 
 def _Layers(config):

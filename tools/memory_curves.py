@@ -89,6 +89,7 @@ flags.register_multi_flags_validator(
     "places the built-in pipeline's stages on worker processes.")
 bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
+flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.
 
 
 def _RunOnWorkers(config):

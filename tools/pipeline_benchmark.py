@@ -49,6 +49,7 @@ flags.DEFINE_enum('path', 'fprop', ['fprop', 'forward_backward'],
 flags.DEFINE_integer('steps', 5, 'Timed steps per configuration (median reported).')
 bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
+flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.
 
 
 def _Config(**overrides):

@@ -51,6 +51,7 @@ bench_utils.DefineOutputPath('trace_out', None, 'Chrome trace of the first predi
 flags.DEFINE_integer('trace_max_actions', 200_000,
                      'Refuse a --trace_out of more actions (about 200 bytes each).')
 bench_utils.DefineJsonOut()
+flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.
 
 
 def _Cases():
