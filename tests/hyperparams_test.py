@@ -168,7 +168,8 @@ def testKindsReadTextAsTheSingleKindParamsDo():
   """An int reads as a float kind, and an unquoted word as a str kind, as for a float or str
   default; a default outside its kinds is refused where it is defined."""
   p = hyperparams.Params()
-  p.Define('rate', 0.5, 'A rate or a list of rates.', kinds=(float, list))
+  p.Define('rate', 1, 'A rate or a list of rates.', kinds=(float, list))
+  assert p.rate == 1.0 and isinstance(p.rate, float)  # The default reads as the text would.
   p.Define('mode', 'auto', 'A mode or a list of modes.', kinds=(str, list))
   p.FromText('rate : 2')
   assert p.rate == 2.0 and isinstance(p.rate, float)

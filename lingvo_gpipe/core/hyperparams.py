@@ -69,7 +69,7 @@ class Params:
       raise AttributeError(f'Params name {name!r} is reserved (a Params method).')
     if kinds is not None:
       kinds = tuple(kinds)
-      _OfKinds(default_value, kinds, lambda why: ValueError(
+      default_value = _OfKinds(default_value, kinds, lambda why: ValueError(
           f'Params name {name!r}: default {default_value!r} is not one of its kinds '
           f"{', '.join(k.__name__ for k in kinds)} ({why})."))
     self._params[name] = _Param(name, default_value, description, kinds)
