@@ -362,9 +362,6 @@ def _Train(model_params, settings, train_dir, logdir, input_device, stop):
   """RunTrainer's work, holding the lock of train_dir."""
   task, global_step, learner, checkpointer = _Instantiate(model_params, train_dir,
                                                           with_learner=True)
-  # Once the params build, so that an evaler learns soon where this run ends.
-  with tf.io.gfile.GFile(os.path.join(train_dir, 'params.txt'), 'w') as f:
-    f.write(model_params.ToText())
   checkpointer.Recover()
   step = int(global_step.numpy())
   if step >= settings.max_steps:
@@ -382,6 +379,10 @@ def _Train(model_params, settings, train_dir, logdir, input_device, stop):
     return metrics, learner_lib.GradientsAndVariables(theta, grads)
 
   loop_fn = learner.BuildLoop(dataset.element_spec, ForwardBackward)
+  # Once the run can start (the params build, the checkpoints fit them, the input makes a
+  # dataset): where it ends, for an evaler (_TrainersMaxSteps).
+  with tf.io.gfile.GFile(os.path.join(train_dir, 'params.txt'), 'w') as f:
+    f.write(model_params.ToText())
   writer = tf.summary.create_file_writer(train_dir)
   logging.info('Training %s from step %d to train.max_steps=%d (--max_steps=N to change). '
                'Checkpoints: %s; TensorBoard: tensorboard --logdir=%s', model_params.name, step,
