@@ -183,33 +183,32 @@ def testKindsReadTextAsTheSingleKindParamsDo():
     p.Define('count', 1.5, 'A count or a list.', kinds=(int, list))
 
 
-class _Adder:
+class _Op:
+  """A class a params swap can name; PARAMS: the params it reads, with their defaults."""
+  PARAMS = {}
 
   @classmethod
   def Params(cls):
     p = hyperparams.InstantiableParams(cls)
-    p.Define('bias', 1, 'Added.')
+    for name, default in cls.PARAMS.items():
+      p.Define(name, default, 'Read by the op.')
     return p
+
+
+class _Adder(_Op):
+  PARAMS = {'bias': 1}
 
 
 class _OtherAdder(_Adder):
   pass
 
 
-class _Scaler:
-
-  @classmethod
-  def Params(cls):
-    p = hyperparams.InstantiableParams(cls)
-    p.Define('scale', 2, 'Multiplied.')
-    return p
+class _Scaler(_Op):
+  PARAMS = {'scale': 2}
 
 
-class _Constant:
-
-  @classmethod
-  def Params(cls):
-    return hyperparams.InstantiableParams(cls)
+class _Constant(_Op):
+  pass
 
 
 def testATextSwapsAClassOnlyForOneThatReadsNoParamsItLacks():
