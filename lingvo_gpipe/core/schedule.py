@@ -172,16 +172,18 @@ def _ZbH2(num_stages, num_micro_batches, placement):
 class _ZeroBubble:
   """Orders of a greedy unit-time run, the zero-bubble heuristic (ZB-V's two chunks).
 
-  At each time, a free device first takes a ready B (the device before it
-  waits for it), else a ready F while it holds fewer than limits[k] micro-batch
-  chunks' activations (forwarded, input gradient not yet taken) and fewer than
-  `cap` pending Ws, else its oldest pending W: Ws fill the bubbles. Among ready
-  Fs the deepest chunk goes first. The limits set the activation memory (for
-  ZB-V, 1F1B's first device's); the cap bounds what pending Ws hold, so neither
-  grows with M.
+  At each time, a free device takes a ready B (the device before it waits for
+  it) or a ready F while it holds fewer than limits[k] micro-batch chunks'
+  activations (forwarded, input gradient not yet taken) and fewer than `cap`
+  pending Ws, the F first if `forwards_first` (the device after it may be waiting
+  for it), else its oldest pending W: Ws fill the bubbles. Among ready Fs and Bs
+  the deepest chunk goes first. The limits set the activation memory (for ZB-V,
+  1F1B's first device's); the cap bounds what pending Ws hold, so neither grows
+  with M.
   """
 
-  def __init__(self, num_stages, num_micro_batches, placement, limits, cap):
+  def __init__(self, num_stages, num_micro_batches, placement, limits, cap, forwards_first):
+    self._forwards_first = forwards_first
     self._m = num_micro_batches
     self._last = len(placement) - 1
     self._limits = limits
@@ -201,17 +203,30 @@ class _ZeroBubble:
 
   def _Next(self, k, t):
     """The action device k starts at time t, or None."""
+    if self._forwards_first:
+      action = self._ReadyForward(k, t) or self._ReadyInputGrad(k, t)
+    else:
+      action = self._ReadyInputGrad(k, t) or self._ReadyForward(k, t)
+    if action is None and self._pending_w[k]:
+      action = self._pending_w[k].popleft()
+    return action
+
+  def _ReadyInputGrad(self, k, t):
     for c in self._chunks[k]:
       m = self._next_b[c]  # Bs of a chunk become ready in micro-batch order, as its Fs.
       upstream = (LOSS, m, c) if c == self._last else (INPUT_GRAD, m, c + 1)
       if m < self._m and self._By((FORWARD, m, c), t) and self._By(upstream, t):
         return Action(INPUT_GRAD, m, c)
-    if self._held[k] < self._limits[k] and len(self._pending_w[k]) < self._cap:
-      for c in self._chunks[k]:
-        m = self._next_f[c]
-        if m < self._m and (c == 0 or self._By((FORWARD, m, c - 1), t)):
-          return Action(FORWARD, m, c)
-    return self._pending_w[k].popleft() if self._pending_w[k] else None
+    return None
+
+  def _ReadyForward(self, k, t):
+    if self._held[k] >= self._limits[k] or len(self._pending_w[k]) >= self._cap:
+      return None
+    for c in self._chunks[k]:
+      m = self._next_f[c]
+      if m < self._m and (c == 0 or self._By((FORWARD, m, c - 1), t)):
+        return Action(FORWARD, m, c)
+    return None
 
   def _Start(self, k, action, t):
     self.orders[k].append(action)
@@ -249,24 +264,28 @@ class _ZeroBubble:
 def _Zbv(num_stages, num_micro_batches, placement):
   """ZB-V: the greedy zero-bubble run, each device holding at most 2K half-size chunks'
   activations (1F1B's first device's), with the fewest pending Ws allowed, from K to 2K,
-  that gives the shortest unit-cost step.
+  and input gradients or forwards first, that gives the shortest unit-cost step.
 
-  A cap of K pending Ws reaches the least bubble one step allows, (K-1) / (6M + K-1),
-  when M is a multiple of K; otherwise a device at its cap runs a W while the next device
-  waits for its F (K=6, M=8: 0.172 against 0.094). A larger cap, where it helps, reaches
-  the bound or comes closer; a pending W holds what its weight gradients need, so the
-  cap only grows where it buys time.
+  Either order reaches the least bubble one step allows, (K-1) / (6M + K-1), in some
+  configurations and not in others: with input gradients first a device runs its B (or,
+  at its cap, a W) while the next device waits for its F (K=8, M=20: 13 units more), with
+  forwards first its Bs come late (K=16, M=64: 25 units more). Trying both at each cap,
+  every K <= 8 with K <= M <= 64 reaches the bound (schedule_test). A pending W holds
+  what its weight gradients need, so the cap only grows where it buys time. With M < K
+  the runs miss it by 2(K - M) units or more (K=8, M=7: 2).
   """
   limits = [2 * num_stages] * num_stages
   least = 6 * num_micro_batches + num_stages - 1  # Device K-1's work, after K-1 units.
   best = None
   for cap in range(num_stages, 2 * num_stages + 1):
-    orders = _ZeroBubble(num_stages, num_micro_batches, placement, limits, cap).Run()
-    step = max(end for _, end in Simulate(orders, placement, num_micro_batches).values())
-    if best is None or step < best[0]:
-      best = (step, orders)
-    if step == least:
-      break
+    for forwards_first in (False, True):
+      orders = _ZeroBubble(num_stages, num_micro_batches, placement, limits, cap,
+                           forwards_first).Run()
+      step = max(end for _, end in Simulate(orders, placement, num_micro_batches).values())
+      if best is None or step < best[0]:
+        best = (step, orders)
+      if step == least:
+        return orders
   return best[1]
 
 
@@ -378,31 +397,33 @@ def Simulate(orders, placement, num_micro_batches, cost=None):
   times = {}
   position = [0] * len(orders)
   free = [0.0] * len(orders)
+  waiting = collections.defaultdict(list)  # Key -> the devices whose next action needs it.
   ready = collections.deque(range(len(orders)))
   while ready:
     k = ready.popleft()
     while position[k] < len(orders[k]):
       a = orders[k][position[k]]
       needs = _Needs(a, num_chunks)
-      if any(n not in ends for n in needs):
-        break  # Woken again when another device advances.
+      missing = [n for n in needs if n not in ends]
+      if missing:
+        waiting[missing[0]].append(k)  # Woken when it ends.
+        break
       start = max([free[k]] + [ends[n] for n in needs])
       end = start + cost(a)
       times[a] = (start, end)
       free[k] = end
       position[k] += 1
-      for key in _Keys(a):
-        ends[key] = end
+      made = {key: end for key in _Keys(a)}
       if a.kind == LOSS and a.micro_batch == ALL:  # Every micro-batch's backward may start.
-        ends.update(((LOSS, m, a.chunk), end) for m in range(num_micro_batches))
+        made.update(((LOSS, m, a.chunk), end) for m in range(num_micro_batches))
       if a.kind == FORWARD:
         forwards_left[a.chunk] -= 1
         if not forwards_left[a.chunk]:
-          ends[('F*', ALL, a.chunk)] = max(ends[(FORWARD, m, a.chunk)]
+          made[('F*', ALL, a.chunk)] = max(ends.get((FORWARD, m, a.chunk), end)
                                            for m in range(num_micro_batches))
-      for other in range(len(orders)):
-        if other != k and other not in ready:
-          ready.append(other)
+      ends.update(made)
+      for key in made:
+        ready.extend(waiting.pop(key, ()))
   stuck = [f'device {k} at {_ActionText(orders[k][position[k]])}'
            for k in range(len(orders)) if position[k] < len(orders[k])]
   if stuck:
