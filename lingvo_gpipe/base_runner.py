@@ -25,6 +25,7 @@ from lingvo_gpipe import model_registry
 from lingvo_gpipe.core import pipeline_stats as pipeline_stats_lib
 from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core import pipeline_params
+from lingvo_gpipe.core import planner
 
 # Splits override text at ';' outside quotes.
 _OVERRIDE_SEPARATOR = re.compile(r""";(?=(?:[^'"]|'[^']*'|"[^"]*")*$)""")
@@ -49,6 +50,12 @@ def CheckPipelineBatches(model_params):
     raise UserError(str(e)) from None
 
 
+def OverrideKeys(override):
+  """The dotted keys an override text ('a.b : value' lines, see LoadModelParams) sets."""
+  lines = '\n'.join(_OVERRIDE_SEPARATOR.split(override)).splitlines()
+  return [line.split(':', 1)[0].strip() for line in lines if line.strip()]
+
+
 def LoadModelParams(key, dataset, override='', max_steps=None):
   """Model params of `key` for `dataset`, with overrides and max_steps applied.
 
@@ -60,8 +67,7 @@ def LoadModelParams(key, dataset, override='', max_steps=None):
   except (LookupError, ImportError, ValueError) as e:
     raise UserError(str(e)) from None
   text = '\n'.join(_OVERRIDE_SEPARATOR.split(override))
-  for line in text.splitlines():
-    key = line.split(':', 1)[0].strip()
+  for key in OverrideKeys(override):
     if key == 'task.input' or key.startswith('task.input.'):
       raise UserError(f'model_params_override sets {key}, but the input that runs is the '
                       f"model's input (the task gets a copy): set {key[len('task.'):]} instead.")
@@ -75,6 +81,17 @@ def LoadModelParams(key, dataset, override='', max_steps=None):
     # The model's input is the one that runs: the task checks itself against it.
     params.task.input = params.input.Copy()
   return params
+
+
+def ApplyBalanceFile(model_params, path, override=''):
+  """Cuts the task's pipelines by the balance plan at `path` (tools/plan_balance.py), with the
+  M, schedule and remat it was made for; a UserError if `override` set another of them.
+  Returns what it changed (planner.ApplyPlan's texts)."""
+  try:
+    return planner.ApplyPlan(model_params.task, planner.LoadPlan(path), 'task',
+                             fixed=OverrideKeys(override))
+  except ValueError as e:
+    raise UserError(f'--balance_file: {e}') from None
 
 
 def InputDataset(input_params, start_batch=0):

@@ -62,7 +62,6 @@ from lingvo_gpipe import run_lock
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import memory_stats
 from lingvo_gpipe.core import pipeline_params
-from lingvo_gpipe.core import planner
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import schedule as schedule_lib
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -137,7 +136,8 @@ flags.DEFINE_integer('eval_batches', None, 'Evalers: at most this many batches p
                      'default the whole (finite) Dev/Test dataset.')
 flags.DEFINE_string('balance_file', '',
                     'A balance plan (tools/plan_balance.py) that cuts the pipelines of the model '
-                    'into its stages, replacing their splits.')
+                    'into its stages, replacing their splits, with the M, schedule and remat '
+                    'it was made for (an override that sets another one is an error).')
 flags.DEFINE_integer('pipeline_stats_every', 0,
                      'Every N steps, time the pipeline schedule steps of one training step and '
                      'write pipeline/bubble_fraction (measured, simulated, theory) and per-stage '
@@ -281,17 +281,6 @@ def _Instantiate(model_params, train_dir, with_learner=False):
 def _StepPlacement(on_cluster):
   """Where the ops a model leaves unplaced go: on a cluster with their inputs, not the client."""
   return cluster_lib.ColocatedWithInputs() if on_cluster else contextlib.nullcontext()
-
-
-def _ApplyBalanceFile(task_params, path):
-  """Cuts the task's pipelines by the plan at `path`, with the M, schedule and remat it assumed."""
-  try:
-    changes = planner.ApplyPlan(task_params, planner.LoadPlan(path), 'task')
-  except ValueError as e:
-    raise base_runner.UserError(f'--balance_file: {e}') from None
-  if changes:
-    logging.warning('--balance_file %s was planned for other settings; using its %s.', path,
-                    ', '.join(changes))
 
 
 def _Pipelines(task):
@@ -594,7 +583,11 @@ def _Run():
     logging.warning('%s defines no %s(): evaluating its Train() data instead.', FLAGS.model,
                     dataset_name)
   if FLAGS.balance_file:
-    _ApplyBalanceFile(model_params.task, FLAGS.balance_file)
+    changes = base_runner.ApplyBalanceFile(model_params, FLAGS.balance_file,
+                                           FLAGS.model_params_override)
+    if changes:
+      logging.warning('--balance_file %s was planned for other settings; using its %s.',
+                      FLAGS.balance_file, ', '.join(changes))
   if FLAGS.mode == 'inspect_params':
     sys.stdout.write(model_params.ToText())
     return

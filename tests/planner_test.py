@@ -295,6 +295,21 @@ def testApplyPlanToAStackAndToCells():
     planner.ApplyPlan(layers.ProjectionLayer.Params(), _PlanFor(['a'], [1]))
 
 
+def testApplyPlanRefusesToChangeWhatTheUserSet():
+  """A value the user set (`fixed`) that the plan would change is an error naming both; the
+  same value, or a setting the plan does not make, passes."""
+  names = ['tgt_emb', 'dec0', 'dec1', 'dec2', 'softmax']
+  p = _StackParams().Set(num_micro_batches=4, schedule='gpipe')
+  with pytest.raises(ValueError, match=r"task.stack.num_micro_batches is set to 4, but the "
+                     r"balance plan of test was made for 2"):
+    planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack',
+                      fixed=['task.stack.num_micro_batches'])
+  assert p.num_micro_batches == 4
+  fixed = ['task.stack.schedule', 'task.stack.model_dim']
+  assert planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=fixed) == [
+      'task.stack.num_micro_batches=2 (was 4)']
+
+
 
 def testApplyPlanRunsItsScheduleOnOneChunkPerDevice():
   """A plan's ends are one cell per device: a zbv stack (two chunks per device) takes it with
@@ -350,3 +365,10 @@ def testStackProfilesGlueTheSoftmaxAndTheTrainerTakesThePlan(tmp_path):
                         text=True, check=False)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert 'task.stack.splits : [2, 4]' in proc.stdout
+  # An override the plan would replace is refused, not dropped.
+  override = "--model_params_override=task.stack.schedule : '1f1b'"
+  proc = subprocess.run(trainer + [f'--balance_file={path}', override], env=env,
+                        capture_output=True, text=True, check=False)
+  assert proc.returncode == 1
+  assert ("trainer: error: --balance_file: task.stack.schedule is set to '1f1b', but the "
+          "balance plan of tiny was made for 'gpipe'") in proc.stderr

@@ -58,12 +58,11 @@ def _Registered():
   """(model params, their pipelines) of a registry key with overrides and a balance plan."""
   from lingvo_gpipe import base_runner  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import pipeline_params  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
   try:
     params = base_runner.LoadModelParams(FLAGS.model, 'Train', FLAGS.model_params_override)
     if FLAGS.balance_file:
-      planner.ApplyPlan(params.task, planner.LoadPlan(FLAGS.balance_file), 'task')
-  except (base_runner.UserError, ValueError) as e:
+      base_runner.ApplyBalanceFile(params, FLAGS.balance_file, FLAGS.model_params_override)
+  except base_runner.UserError as e:
     sys.exit(f'print_model: error: {e}')
   return params, [p for _, p in pipeline_params.Find(params.task)]
 

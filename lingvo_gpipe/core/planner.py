@@ -433,13 +433,15 @@ def LoadPlan(path):
 # -- applying a plan -------------------------------------------------------------------
 
 
-def ApplyPlan(params, plan, path=''):
+def ApplyPlan(params, plan, path='', fixed=()):
   """Cuts every pipeline of the params tree (in place) by the plan, with its M, schedule, remat.
 
   The plan's prediction holds for the M, schedule (one chunk per device: virtual_stages 1)
   and re-materialization (remat and cell_remat_policy) it was made for, so the pipelines
-  take them. The layer names must be the
-  plan's. Returns one 'path.key=new (was old)' text per value changed.
+  take them, unless one of them is in `fixed` (dotted keys from `path` on that the user set,
+  e.g. in an override): then it raises a ValueError naming both values rather than drop
+  either. The layer names must be the plan's. Returns one 'path.key=new (was old)' text
+  per value changed.
   """
   pipelines = list(pipeline_params.Find(params, path))
   if not pipelines:
@@ -454,11 +456,16 @@ def ApplyPlan(params, plan, path=''):
     wanted = dict(virtual_stages=1, num_micro_batches=plan.num_micro_batches,
                   micro_batch_size=None, schedule=plan.schedule, remat=plan.remat,
                   cell_remat_policy=plan.remat_policy)
-    for key, value in wanted.items():
-      if p.Get(key) != value:
-        if value is not None:
-          changes.append(f'{where}.{key}={value!r} (was {p.Get(key)!r})')
-        p.Set(**{key: value})
+    new = {key: value for key, value in wanted.items() if p.Get(key) != value}
+    for key, value in new.items():
+      name = f'{where}.{key}' if where else key
+      if name in fixed:
+        raise ValueError(f'{name} is set to {p.Get(key)!r}, but the balance plan of '
+                         f'{plan.source or "?"} was made for {value!r}: drop the setting, or '
+                         'plan again with it.')
+      if value is not None:
+        changes.append(f'{name}={value!r} (was {p.Get(key)!r})')
+    p.Set(**new)
     pipeline_params.Recut(p, plan.ends)
   return changes
 
