@@ -785,6 +785,55 @@ def testAMicroBatchScheduleRefusesALossThatDoesNotDecompose():
     Step(x)
 
 
+@pytest.mark.parametrize('sched', [n for n in schedule.SCHEDULE_NAMES if n != 'gpipe'])
+def testALossReadingATensorOfTheStepEqualsThePlainModel(sched):
+  """A loss scaled by a tensor computed in the traced step (it cannot run in the eager probe):
+  a mean on 16 rows, a sum and a (value, weight) pair on 10 (micro-batches 3, 3, 2, 2), in
+  tf.function, equal plain TF at a scale of 3 and of 0 (checked when the step runs)."""
+  pipe = _Pipe(2, 4, sched=sched)
+  scale = tf.Variable(2.0)
+  losses = {'mean': lambda y, s: tf.reduce_mean(tf.square(y - 0.5)) * s,
+            'sum': lambda y, s: tf.reduce_sum(tf.square(y - 0.5)) * s,
+            'pair': lambda y, s: (tf.reduce_mean(tf.square(y - 0.5)) * s,
+                                  tf.cast(tf.shape(y)[0], tf.float32))}
+  for name, rows in (('mean', BATCH), ('sum', 10), ('pair', 10)):
+    loss_fn = losses[name]
+    x = _Input()[:rows]
+
+    @tf.function
+    def Step(x, loss_fn=loss_fn):
+      s = scale * 1.5  # A tensor of the step.
+      return pipe.ForwardBackward(pipe.theta, x, lambda y: loss_fn(y, s))
+
+    for value in (2.0, 0.0):
+      scale.assign(value)
+      with tf.GradientTape() as tape:
+        ref_loss = tf.nest.flatten(loss_fn(_Reference(pipe, x), value * 1.5))[0]
+      ref_grads = tape.gradient(ref_loss, pipe.trainable_variables)
+      loss, grads = Step(x)
+      loss = loss.loss[0] if isinstance(loss, dict) else loss
+      assert abs(float(loss) - float(ref_loss)) <= 1e-5 * max(abs(float(ref_loss)), 1e-6), name
+      by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+      _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
+
+
+def testALossReadingATensorOfTheStepThatDoesNotMergeFailsTheStep():
+  """A max, and on uneven micro-batches a pair whose weight does not count its items."""
+  pipe = _Pipe(2, 4, sched='1f1b')
+  scale = tf.Variable(2.0)
+
+  @tf.function
+  def Step(x, loss_fn):
+    s = scale * 1.5
+    return pipe.ForwardBackward(pipe.theta, x, lambda y: loss_fn(y, s))
+
+  with pytest.raises(tf.errors.InvalidArgumentError, match=r"on a whole batch is neither the "
+                     r"sum nor the mean of its micro-batch values.*whole batch, sum, mean:"):
+    Step(_Input(), lambda y, s: tf.reduce_max(y) * s)
+  with pytest.raises(tf.errors.InvalidArgumentError, match=r"uneven sizes \[3, 3, 2, 2\], but "
+                     r"its .*loss.* \(value, weight\) on a whole batch is not the weighted mean"):
+    Step(_Input()[:10], lambda y, s: (_Loss(y) * s, 1.0))
+
 
 @pytest.mark.parametrize('sched', ['1f1b', 'zb_h1'])
 def testAMicroBatchScheduleRefusesALossOfBatchStatisticsOfWideOutputs(sched):

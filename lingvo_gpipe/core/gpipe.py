@@ -370,7 +370,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         sum(value * weight) / sum(weight); a bare scalar must be the sum or the
         mean of its micro-batch values (weighted by their rows when M does not
         divide the batch), which a probe on random outputs tells, else it is
-        refused with a ValueError (metrics.MicroBatchLoss).
+        refused (metrics.MicroBatchLoss, also for losses reading step tensors).
       labels: None, or tensors batched like the inputs (a structure, e.g. targets
         and example weights) that loss_fn takes as its last argument: a
         micro-batch's loss gets the rows of its own outputs, split as the inputs are.

@@ -80,6 +80,34 @@ def _Combination(whole, parts, sizes):
   return None
 
 
+def _CombinationWhenRun(whole, parts, sizes, message):
+  """_Combination of values known only when the step runs: a bool tensor, True for 'sum'
+  and False for 'mean', behind an assertion (with `message`) that one of them holds. Values
+  that are all zero or not finite pass: the loss is then zero or not finite either way."""
+  whole = tf.cast(whole, tf.float64)
+  parts = tf.cast(tf.stack(parts), tf.float64)
+  total = tf.reduce_sum(parts)
+  mean = tf.reduce_sum(parts * np.asarray(sizes, np.float64) / sum(sizes))
+  tolerance = 1e-4 * tf.maximum(tf.abs(whole), tf.reduce_max(tf.abs(parts)))
+  is_sum = tf.abs(whole - total) <= tolerance
+  holds = is_sum | (tf.abs(whole - mean) <= tolerance) | ~tf.math.is_finite(tolerance)
+  check = tf.debugging.Assert(holds, [message, 'whole batch, sum, mean:', whole, total, mean])
+  with tf.control_dependencies([check]):
+    return tf.identity(is_sum)
+
+
+def _WeightedMeanWhenRun(value, pairs, message):
+  """An op asserting, when the step runs, that (value, weight) pairs merge to `value`."""
+  values = tf.cast(tf.stack([v for v, _ in pairs]), tf.float64)
+  weights = tf.cast(tf.stack([w for _, w in pairs]), tf.float64)
+  value = tf.cast(value, tf.float64)
+  merged = tf.math.divide_no_nan(tf.reduce_sum(values * weights), tf.reduce_sum(weights))
+  holds = (tf.equal(tf.reduce_sum(weights), 0.0) |
+           (tf.abs(value - merged) <= 1e-4 * tf.maximum(tf.abs(value), tf.abs(merged))) |
+           ~tf.math.is_finite(value - merged))
+  return tf.debugging.Assert(holds, [message, 'whole batch, weighted mean:', value, merged])
+
+
 def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
   """loss_fn for a schedule that calls it on each of num_parts micro-batches alone.
 
@@ -90,13 +118,19 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
   (value * num_parts, 1 / num_parts), a mean (value, rows / batch_size), its
   micro-batch's share of the batch, which weighs micro-batches of uneven size
   right; anything else (a max, a normalization by batch statistics, a loss
-  reading tensors other than its arguments) is refused with a ValueError. When
-  micro-batches differ in size (num_parts does not divide batch_size, or it is
-  unknown at trace time), (value, weight) pairs are probed too: one whose
-  whole-batch value is not the weighted mean of its micro-batch values (a
-  weight that does not count the items value is a mean over) is refused. So
-  every schedule gives the loss and gradients that loss_fn gives on the whole
-  batch.
+  reading whole-batch tensors other than its arguments) is refused with a
+  ValueError. When micro-batches differ in size (num_parts does not divide
+  batch_size, or it is unknown at trace time), (value, weight) pairs are probed
+  too: one whose whole-batch value is not the weighted mean of its micro-batch
+  values (a weight that does not count the items value is a mean over) is
+  refused. So every schedule gives the loss and gradients that loss_fn gives on
+  the whole batch.
+
+  The probe runs eagerly, once per trace. A loss that reads tensors of the step
+  being traced (a scale computed from the step, say) cannot run eagerly: it is
+  probed in the step's graph instead, every time the step runs (num_parts + 1
+  more loss_fn calls on the probe's outputs), and a loss that does not merge
+  fails the step with the same message.
 
   Args:
     loss_fn: the caller's loss function.
@@ -105,7 +139,8 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
     batch_dim: the batch dimension of loss_fn's arguments.
     schedule: the schedule's name, for messages.
   """
-  rules = {}
+  rules = {}  # Name -> 'sum', 'mean' or (known when the step runs) a bool tensor, True: sum.
+  checks = []  # Ops of a probe in the step's graph that the losses wait for.
   probed = []
   static = isinstance(batch_size, int)
   uneven = not static or batch_size % num_parts != 0
@@ -118,52 +153,76 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
                        'alone (a loss must read nothing but them), and it failed on them: '
                        f'{e}') from None
 
-  def Probe(args):
+  def ProbeValues(args, sizes):
     rng = np.random.default_rng(0)
+    whole = tf.nest.map_structure(
+        lambda x: _ProbeInput(x, sizes, batch_dim, rng) if isinstance(x, tf.Tensor) else x,
+        args)
+    return [Call(*part) for part in [whole] + microbatch.Split(whole, num_parts, batch_dim)]
+
+  def Probe(args):
     # A batch of unknown size is probed with one that num_parts does not divide either.
-    rows = batch_size if static else 2 * num_parts + 1
-    sizes = microbatch.Sizes(rows, num_parts)
-    with tf.init_scope():
-      whole = tf.nest.map_structure(
-          lambda x: _ProbeInput(x, sizes, batch_dim, rng) if isinstance(x, tf.Tensor) else x,
-          args)
-      values = [Call(*part) for part in [whole] + microbatch.Split(whole, num_parts, batch_dim)]
+    sizes = microbatch.Sizes(batch_size if static else 2 * num_parts + 1, num_parts)
+    try:
+      with tf.init_scope():
+        values = ProbeValues(args, sizes)
+      when_run = False
+    except ValueError:  # Call's: loss_fn failed.
+      if tf.executing_eagerly():
+        raise
+      values = ProbeValues(args, sizes)  # It reads tensors of the step: probe in its graph.
+      when_run = True
     for name, value in _Scalars(values[0]).items():
       parts = [_Scalars(v)[name] for v in values[1:]]
-      rule = _Combination(value, parts, sizes)
-      if rule is None:
-        raise ValueError(
-            f'schedule={schedule!r} calls loss_fn on each of {num_parts} micro-batches, but its '
-            f'{name!r} on a whole batch ({float(value):.6g}) is neither the sum '
-            f'({float(np.sum(parts)):.6g}) nor the mean ({np.average(parts, weights=sizes):.6g}) '
-            'of its micro-batch values: return (value, weight) pairs, which merge as '
-            "sum(value * weight) / sum(weight), or use schedule='gpipe'.")
-      rules[name] = rule
+      message = (f'schedule={schedule!r} calls loss_fn on each of {num_parts} micro-batches, but '
+                 f'its {name!r} on a whole batch' + '{} is neither the sum{} nor the mean{} of '
+                 'its micro-batch values: return (value, weight) pairs, which merge as '
+                 "sum(value * weight) / sum(weight), or use schedule='gpipe'.")
+      if when_run:
+        rules[name] = _CombinationWhenRun(value, parts, sizes, message.format('', '', ''))
+        continue
+      rules[name] = _Combination(value, parts, sizes)
+      if rules[name] is None:
+        raise ValueError(message.format(f' ({float(value):.6g})', f' ({float(np.sum(parts)):.6g})',
+                                        f' ({np.average(parts, weights=sizes):.6g})'))
     for name, (value, weight) in (_Pairs(values[0]) if uneven else {}).items():
-      pairs = np.asarray([[float(x) for x in _Pairs(v)[name]] for v in values[1:]], np.float64)
+      message = (f'schedule={schedule!r} calls loss_fn on each of {num_parts} micro-batches of '
+                 f'uneven sizes {sizes}, but its {name!r} (value, weight) on a whole batch'
+                 '{} is not the weighted mean{} of its micro-batch values: the weight must '
+                 "count the items the value is a mean over; or use schedule='gpipe', or a batch "
+                 'that num_micro_batches divides.')
+      pairs = [_Pairs(v)[name] for v in values[1:]]
+      if when_run:
+        checks.append(_WeightedMeanWhenRun(value, pairs, message.format('', '')))
+        continue
+      pairs = np.asarray([[float(x) for x in pair] for pair in pairs], np.float64)
       if not np.sum(pairs[:, 1]):
         continue  # No item to weigh in the probe's outputs: the pair's definition stands.
       value, merged = float(value), float(np.sum(pairs[:, 0] * pairs[:, 1]) / np.sum(pairs[:, 1]))
       if not abs(value - merged) <= 1e-4 * max(abs(value), abs(merged)):
-        raise ValueError(
-            f'schedule={schedule!r} calls loss_fn on each of {num_parts} micro-batches of '
-            f'uneven sizes {sizes}, but its {name!r} (value, weight) on a whole batch '
-            f'({value:.6g}, weight {float(weight):.6g}) is not the weighted mean '
-            f'({merged:.6g}) of its micro-batch values: the weight must count the items the '
-            "value is a mean over; or use schedule='gpipe', or a batch that "
-            f'num_micro_batches divides.')
+        raise ValueError(message.format(f' ({value:.6g}, weight {float(weight):.6g})',
+                                        f' ({merged:.6g})'))
 
   def Weighted(value, rule, args):
-    if rule == 'sum':
+    def Total():
       return (value * num_parts, tf.constant(1.0 / num_parts, value.dtype))
-    rows = microbatch.BatchSize(args, batch_dim)
-    return (value, tf.cast(rows, value.dtype) / tf.cast(batch_size, value.dtype))
+
+    def Mean():
+      rows = microbatch.BatchSize(args, batch_dim)
+      return (value, tf.cast(rows, value.dtype) / tf.cast(batch_size, value.dtype))
+
+    if isinstance(rule, str):
+      return Total() if rule == 'sum' else Mean()
+    return tuple(tf.where(rule, t, m) for t, m in zip(Total(), Mean()))  # Known when run.
 
   def MicroBatchLossFn(*args):
     value = Call(*args)
     if not probed and (_Scalars(value) or uneven):
       Probe(args)
       probed.append(True)
+    if checks:
+      with tf.control_dependencies(checks):
+        value = tf.nest.map_structure(tf.identity, value)
     if isinstance(value, dict):
       return type(value)({k: v if _IsPair(v) else Weighted(tf.convert_to_tensor(v), rules[k],
                                                            args)
