@@ -257,7 +257,7 @@ class Estimator:
     if max_steps is not None and steps is not None:
       raise ValueError('Give steps or max_steps, not both.')
     _CheckSteps(steps=steps, max_steps=max_steps)
-    os.makedirs(self.model_dir, exist_ok=True)
+    tf.io.gfile.makedirs(self.model_dir)
     with run_lock.RunLock(self.model_dir):
       self._Train(input_fn, max_steps, steps)
     return self

@@ -7,7 +7,8 @@ says who holds it. A file whose flock is free, left by a process on this host,
 is stale and taken over, even if its pid now names another process (a restarted
 container's trainer is often pid 1 again); one from another host is refused,
 since whether its process lives cannot be told from here (a network file system
-may not carry the flock).
+may not carry the flock). A directory of another file system (a URL such as
+gs://bucket/run) has no flock: it is not locked, with a warning.
 """
 
 import datetime
@@ -47,8 +48,13 @@ class RunLock:
   def __init__(self, directory):
     self._path = os.path.join(directory, LOCK_FILE)
     self._fd = None
+    self._local = '://' not in directory
 
   def __enter__(self):
+    if not self._local:
+      logging.warning('%s is not on a local file system, so it cannot be locked: make sure no '
+                      'other trainer writes there.', os.path.dirname(self._path))
+      return self
     while self._fd is None:
       fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
       try:
@@ -89,6 +95,8 @@ class RunLock:
                     _Describe(holder))
 
   def __exit__(self, *unused_exc_info):
+    if not self._local:
+      return
     os.remove(self._path)
     os.close(self._fd)
     self._fd = None

@@ -79,3 +79,15 @@ def testALockOfAnotherHostIsRefusedAndKept(tmp_path, pid_now):
                                                   'which may still be running'):
     run_lock.RunLock(str(tmp_path)).__enter__()
   assert open(_LockFile(tmp_path)).read() == before
+
+
+def testADirectoryOfAnotherFileSystemIsNotLockedWithAWarning(tmp_path, monkeypatch, caplog):
+  """gs://... has no flock: nothing is written locally (no 'gs:' folder), a warning says so."""
+  monkeypatch.chdir(tmp_path)
+  with run_lock.RunLock('gs://bucket/run/train'):
+    with run_lock.RunLock('gs://bucket/run/train'):
+      pass
+  assert not os.listdir(tmp_path)
+  assert [r.getMessage() for r in caplog.records] == [
+      'gs://bucket/run/train is not on a local file system, so it cannot be locked: make sure '
+      'no other trainer writes there.'] * 2
