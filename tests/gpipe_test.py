@@ -833,6 +833,24 @@ def testALossReadingATensorOfTheStepThatDoesNotMergeFailsTheStep():
   with pytest.raises(tf.errors.InvalidArgumentError, match=r"uneven sizes \[3, 3, 2, 2\], but "
                      r"its .*loss.* \(value, weight\) on a whole batch is not the weighted mean"):
     Step(_Input()[:10], lambda y, s: (_Loss(y) * s, 1.0))
+  # 0 on the probe's (positive) outputs, not on these: the probe cannot tell a sum from a mean.
+  with pytest.raises(tf.errors.InvalidArgumentError, match=r"random outputs is 0 or not finite"):
+    Step(_Input(), lambda y, s: tf.reduce_mean(tf.nn.relu(-y)) * s)
+
+
+def testALossReadingATensorOfTheStepThatDoesNotMergeIsNaNUnderXla():
+  """XLA compiles assertions away: the step's loss is NaN (the weight of a loss that failed
+  its check), not another loss."""
+  pipe = _Pipe(1, 4, sched='1f1b')
+  scale = tf.Variable(2.0)
+
+  @tf.function(jit_compile=True)
+  def Step(x):
+    s = scale * 1.5
+    return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_max(y) * s)
+
+  loss, grads = Step(_Input())
+  assert np.isnan(float(loss)) and all(np.isnan(g.numpy()).all() for g in tf.nest.flatten(grads))
 
 
 @pytest.mark.parametrize('sched', ['1f1b', 'zb_h1'])

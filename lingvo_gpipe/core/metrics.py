@@ -4,6 +4,8 @@
 several batches or micro-batches merge exactly as sum(value * weight) / sum(weight).
 """
 
+import itertools
+
 import numpy as np
 import tensorflow as tf
 
@@ -48,14 +50,15 @@ def _IsPair(value):
   return isinstance(value, (tuple, list))
 
 
-def _ProbeInput(like, sizes, batch_dim, rng):
+def _ProbeInput(like, sizes, batch_dim, seed):
   """Random values shaped like micro-batch tensor `like`, for a batch of micro-batches of
   `sizes` rows. Micro-batch i's floats lie in [0.5, 1) + i / len(sizes): positive, so logs and
   roots of outputs stay finite, and from a range of their own, so that a loss reading batch
   statistics (the square of a mean, a variance, centering by the batch's mean) gives a
   whole-batch value far from any combination of its micro-batch values, however many values
   it averages (on values of one distribution, its micro-batches' statistics agree with the
-  batch's to within the probe's tolerance)."""
+  batch's to within the probe's tolerance). Made by random ops, not a constant: a probe in a
+  step's graph would otherwise hold the whole batch's outputs in the graph."""
   shape = like.shape.as_list()
   shape[batch_dim] = sum(sizes)
   if None in shape:
@@ -64,48 +67,76 @@ def _ProbeInput(like, sizes, batch_dim, rng):
     return tf.zeros(shape, like.dtype)
   offsets = np.repeat(np.arange(len(sizes)) / len(sizes), sizes)
   offsets = offsets.reshape([-1 if d == batch_dim else 1 for d in range(len(shape))])
-  return tf.constant(rng.uniform(0.5, 1.0, shape) + offsets, like.dtype)
+  dtype = tf.float64 if like.dtype == tf.float64 else tf.float32
+  values = tf.random.stateless_uniform(shape, [seed, 0], 0.5, 1.0, dtype) + offsets.astype(
+      dtype.as_numpy_dtype)
+  return tf.cast(values, like.dtype)
 
 
-def _Combination(whole, parts, sizes):
+# Relative tolerance of the probe's comparisons for a loss of a 16-bit float: a few of its
+# roundings (its epsilon: 2^-7, 2^-10), still below what batch statistics differ by; else 1e-4.
+_TOLERANCE = {tf.bfloat16: 4 * 2.0**-7, tf.float16: 4 * 2.0**-10}
+
+
+def _Tolerance(dtype):
+  return _TOLERANCE.get(dtype, 1e-4)
+
+
+def _Combination(whole, parts, sizes, tolerance):
   """'sum' or 'mean' if the whole batch's value is the sum of the micro-batches' values or
-  their mean weighted by their sizes, else None."""
+  their mean weighted by their sizes, else None; '' if the values cannot tell (all zero, or
+  not all finite)."""
   whole, parts = float(whole), np.asarray(parts, np.float64)
   scale = max(abs(whole), float(np.abs(parts).max()))
   if not np.isfinite(scale) or scale == 0.0:
-    return None
+    return ''
   for rule, value in (('sum', parts.sum()), ('mean', np.average(parts, weights=sizes))):
-    if abs(whole - value) <= 1e-4 * scale:
+    if abs(whole - value) <= tolerance * scale:
       return rule
   return None
 
 
-def _CombinationWhenRun(whole, parts, sizes, message):
-  """_Combination of values known only when the step runs: a bool tensor, True for 'sum'
-  and False for 'mean', behind an assertion (with `message`) that one of them holds. Values
-  that are all zero or not finite pass: the loss is then zero or not finite either way."""
+def _CombinationWhenRun(whole, parts, sizes, tolerance, message):
+  """_Combination of values known only when the step runs: (is_sum, told, check), bool
+  tensors: True for 'sum' (else 'mean'); whether the probe's values tell (not all zero, all
+  finite); and whether one of the two holds or they do not tell (`message` if not)."""
   whole = tf.cast(whole, tf.float64)
   parts = tf.cast(tf.stack(parts), tf.float64)
   total = tf.reduce_sum(parts)
   mean = tf.reduce_sum(parts * np.asarray(sizes, np.float64) / sum(sizes))
-  tolerance = 1e-4 * tf.maximum(tf.abs(whole), tf.reduce_max(tf.abs(parts)))
+  tolerance = tolerance * tf.maximum(tf.abs(whole), tf.reduce_max(tf.abs(parts)))
+  told = tf.math.is_finite(tolerance) & (tolerance > 0)
   is_sum = tf.abs(whole - total) <= tolerance
-  holds = is_sum | (tf.abs(whole - mean) <= tolerance) | ~tf.math.is_finite(tolerance)
-  check = tf.debugging.Assert(holds, [message, 'whole batch, sum, mean:', whole, total, mean])
-  with tf.control_dependencies([check]):
-    return tf.identity(is_sum)
+  holds = is_sum | (tf.abs(whole - mean) <= tolerance) | ~told
+  return is_sum, told, _Check(holds, message, 'whole batch, sum, mean:', whole, total, mean)
 
 
-def _WeightedMeanWhenRun(value, pairs, message):
-  """An op asserting, when the step runs, that (value, weight) pairs merge to `value`."""
+def _WeightedMeanWhenRun(value, pairs, tolerance, message):
+  """A _Check, when the step runs, that (value, weight) pairs merge to `value`."""
   values = tf.cast(tf.stack([v for v, _ in pairs]), tf.float64)
   weights = tf.cast(tf.stack([w for _, w in pairs]), tf.float64)
   value = tf.cast(value, tf.float64)
   merged = tf.math.divide_no_nan(tf.reduce_sum(values * weights), tf.reduce_sum(weights))
   holds = (tf.equal(tf.reduce_sum(weights), 0.0) |
-           (tf.abs(value - merged) <= 1e-4 * tf.maximum(tf.abs(value), tf.abs(merged))) |
+           (tf.abs(value - merged) <= tolerance * tf.maximum(tf.abs(value), tf.abs(merged))) |
            ~tf.math.is_finite(value - merged))
-  return tf.debugging.Assert(holds, [message, 'whole batch, weighted mean:', value, merged])
+  return _Check(holds, message, 'whole batch, weighted mean:', value, merged)
+
+
+def _Check(holds, message, *data):
+  """`holds` (a bool tensor) once an assertion of it with `message` and `data` has run."""
+  with tf.control_dependencies([tf.debugging.Assert(holds, [message, *data])]):
+    return tf.identity(holds)
+
+
+def _Guarded(pair, checks):
+  """A (value, weight) metric whose weight is NaN unless every check holds: XLA compiles
+  assertions away, so a loss that failed its check still cannot train silently."""
+  value, weight = pair
+  value = tf.convert_to_tensor(value)
+  weight = tf.cast(weight, value.dtype)
+  holds = tf.reduce_all(tf.stack(checks))
+  return value, tf.where(holds, weight, tf.constant(np.nan, value.dtype))
 
 
 def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
@@ -130,7 +161,10 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
   being traced (a scale computed from the step, say) cannot run eagerly: it is
   probed in the step's graph instead, every time the step runs (num_parts + 1
   more loss_fn calls on the probe's outputs), and a loss that does not merge
-  fails the step with the same message.
+  fails the step with the same message (under XLA, which drops assertions, its
+  weight is NaN: the step's loss and gradients are NaN). A loss that is 0 or not
+  finite on the probe's outputs cannot be told: refused, or in the step's graph
+  accepted only for micro-batch values that are 0 or not finite too (a scale of 0).
 
   Args:
     loss_fn: the caller's loss function.
@@ -139,8 +173,8 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
     batch_dim: the batch dimension of loss_fn's arguments.
     schedule: the schedule's name, for messages.
   """
-  rules = {}  # Name -> 'sum', 'mean' or (known when the step runs) a bool tensor, True: sum.
-  checks = []  # Ops of a probe in the step's graph that the losses wait for.
+  rules = {}  # Name -> 'sum', 'mean' or, known when the step runs, (is_sum, told, message).
+  checks = []  # _Checks of a probe in the step's graph, guarding every micro-batch's metrics.
   probed = []
   static = isinstance(batch_size, int)
   uneven = not static or batch_size % num_parts != 0
@@ -154,10 +188,10 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
                        f'{e}') from None
 
   def ProbeValues(args, sizes):
-    rng = np.random.default_rng(0)
+    seeds = itertools.count()
     whole = tf.nest.map_structure(
-        lambda x: _ProbeInput(x, sizes, batch_dim, rng) if isinstance(x, tf.Tensor) else x,
-        args)
+        lambda x: _ProbeInput(x, sizes, batch_dim, next(seeds)) if isinstance(x, tf.Tensor)
+        else x, args)
     return [Call(*part) for part in [whole] + microbatch.Split(whole, num_parts, batch_dim)]
 
   def Probe(args):
@@ -174,17 +208,26 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
       when_run = True
     for name, value in _Scalars(values[0]).items():
       parts = [_Scalars(v)[name] for v in values[1:]]
-      message = (f'schedule={schedule!r} calls loss_fn on each of {num_parts} micro-batches, but '
-                 f'its {name!r} on a whole batch' + '{} is neither the sum{} nor the mean{} of '
-                 'its micro-batch values: return (value, weight) pairs, which merge as '
-                 "sum(value * weight) / sum(weight), or use schedule='gpipe'.")
+      tolerance = _Tolerance(tf.convert_to_tensor(value).dtype)
+      head = f'schedule={schedule!r} calls loss_fn on each of {num_parts} micro-batches, but its '
+      advice = ('return (value, weight) pairs, which merge as sum(value * weight) / '
+                "sum(weight), or use schedule='gpipe'.")
+      message = head + f'{name!r} on a whole batch' + '{} is neither the sum{} nor the mean{} ' \
+          'of its micro-batch values: ' + advice
+      untold = (head + f'{name!r} on the probe\'s random outputs is 0 or not finite, so whether '
+                'it is the sum or the mean of its micro-batch values cannot be told: ' + advice)
       if when_run:
-        rules[name] = _CombinationWhenRun(value, parts, sizes, message.format('', '', ''))
+        is_sum, told, check = _CombinationWhenRun(value, parts, sizes, tolerance,
+                                                  message.format('', '', ''))
+        rules[name] = (is_sum, told, untold + " (A micro-batch's value is not 0.)")
+        checks.append(check)
         continue
-      rules[name] = _Combination(value, parts, sizes)
-      if rules[name] is None:
-        raise ValueError(message.format(f' ({float(value):.6g})', f' ({float(np.sum(parts)):.6g})',
-                                        f' ({np.average(parts, weights=sizes):.6g})'))
+      whole, parts = _Floats(value), [_Floats(part) for part in parts]
+      rules[name] = _Combination(whole, parts, sizes, tolerance)
+      if not rules[name]:
+        raise ValueError(untold if rules[name] == '' else message.format(
+            f' ({whole:.6g})', f' ({np.sum(parts):.6g})',
+            f' ({np.average(parts, weights=sizes):.6g})'))
     for name, (value, weight) in (_Pairs(values[0]) if uneven else {}).items():
       message = (f'schedule={schedule!r} calls loss_fn on each of {num_parts} micro-batches of '
                  f'uneven sizes {sizes}, but its {name!r} (value, weight) on a whole batch'
@@ -192,18 +235,19 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
                  "count the items the value is a mean over; or use schedule='gpipe', or a batch "
                  'that num_micro_batches divides.')
       pairs = [_Pairs(v)[name] for v in values[1:]]
+      tolerance = _Tolerance(tf.convert_to_tensor(value).dtype)
       if when_run:
-        checks.append(_WeightedMeanWhenRun(value, pairs, message.format('', '')))
+        checks.append(_WeightedMeanWhenRun(value, pairs, tolerance, message.format('', '')))
         continue
-      pairs = np.asarray([[float(x) for x in pair] for pair in pairs], np.float64)
+      pairs = np.asarray([[_Floats(x) for x in pair] for pair in pairs], np.float64)
       if not np.sum(pairs[:, 1]):
         continue  # No item to weigh in the probe's outputs: the pair's definition stands.
-      value, merged = float(value), float(np.sum(pairs[:, 0] * pairs[:, 1]) / np.sum(pairs[:, 1]))
-      if not abs(value - merged) <= 1e-4 * max(abs(value), abs(merged)):
-        raise ValueError(message.format(f' ({value:.6g}, weight {float(weight):.6g})',
+      value, merged = _Floats(value), float(np.sum(pairs[:, 0] * pairs[:, 1]) / np.sum(pairs[:, 1]))
+      if not abs(value - merged) <= tolerance * max(abs(value), abs(merged)):
+        raise ValueError(message.format(f' ({value:.6g}, weight {_Floats(weight):.6g})',
                                         f' ({merged:.6g})'))
 
-  def Weighted(value, rule, args):
+  def Weighted(value, rule, args, call_checks):
     def Total():
       return (value * num_parts, tf.constant(1.0 / num_parts, value.dtype))
 
@@ -213,23 +257,36 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
 
     if isinstance(rule, str):
       return Total() if rule == 'sum' else Mean()
-    return tuple(tf.where(rule, t, m) for t, m in zip(Total(), Mean()))  # Known when run.
+    is_sum, told, untold = rule  # Known when the step runs.
+    # A probe that cannot tell is fine for a value that is 0 (a scale of 0) or not finite.
+    call_checks.append(_Check(told | tf.equal(value, 0) | ~tf.math.is_finite(value), untold))
+    return tuple(tf.where(is_sum, t, m) for t, m in zip(Total(), Mean()))
 
   def MicroBatchLossFn(*args):
     value = Call(*args)
     if not probed and (_Scalars(value) or uneven):
       Probe(args)
       probed.append(True)
-    if checks:
-      with tf.control_dependencies(checks):
-        value = tf.nest.map_structure(tf.identity, value)
+    call_checks = list(checks)
     if isinstance(value, dict):
-      return type(value)({k: v if _IsPair(v) else Weighted(tf.convert_to_tensor(v), rules[k],
-                                                           args)
-                          for k, v in value.items()})
-    return value if _IsPair(value) else Weighted(tf.convert_to_tensor(value), rules['loss'], args)
+      value = type(value)({k: v if _IsPair(v) else Weighted(tf.convert_to_tensor(v), rules[k],
+                                                            args, call_checks)
+                           for k, v in value.items()})
+    elif not _IsPair(value):
+      value = Weighted(tf.convert_to_tensor(value), rules['loss'], args, call_checks)
+    if not call_checks:
+      return value
+    if isinstance(value, dict):
+      return type(value)({k: _Guarded(v, call_checks) for k, v in value.items()})
+    return _Guarded(value, call_checks)
 
   return MicroBatchLossFn
+
+
+def _Floats(value):
+  """An eager probe's scalar as a Python float (via float64: numpy cannot read bfloat16)."""
+  with tf.init_scope():
+    return float(tf.cast(value, tf.float64))
 
 
 def _Scalars(value):

@@ -1,0 +1,47 @@
+"""Tests of metrics: merging (value, weight) pairs and the probe of per-micro-batch losses."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import metrics
+
+
+def testMergeMetricsWeighsEachValueByItsWeight():
+  merged = metrics.MergeMetrics([metrics.AsMetrics((2.0, 1.0)), metrics.AsMetrics((5.0, 2.0))])
+  assert float(merged.loss[0]) == pytest.approx(4.0) and float(merged.loss[1]) == 3.0
+
+
+@pytest.mark.parametrize('dtype', [tf.float32, tf.bfloat16, tf.float16])
+def testTheProbeTellsSumsAndMeansOfHalfPrecisionLosses(dtype):
+  """An exact mean or sum in 16 bits is told apart (a bfloat16 probe raised inside numpy, and
+  1e-4 of tolerance refused both), and a max or a batch statistic is still refused."""
+  part = tf.ones([4, 8], dtype)  # One micro-batch of 4 rows; 4 of them make 16.
+  mean = metrics.MicroBatchLoss(tf.reduce_mean, 4, 16, 0, '1f1b')(part)
+  assert [float(x) for x in mean] == [1.0, 0.25]  # (value, rows / batch)
+  total = metrics.MicroBatchLoss(tf.reduce_sum, 4, 16, 0, '1f1b')(part)
+  assert [float(x) for x in total] == [128.0, 0.25]  # (value x M, 1 / M)
+  for loss_fn in (tf.reduce_max, lambda y: tf.square(tf.reduce_mean(y))):
+    with pytest.raises(ValueError, match='is neither the sum .* nor the mean'):
+      metrics.MicroBatchLoss(loss_fn, 4, 16, 0, '1f1b')(part)
+
+
+def testALossThatIsZeroOnTheProbeCannotBeTold():
+  """The probe's outputs are positive: a penalty on negative outputs is 0 there, which is
+  the sum and the mean of its micro-batch values alike: refused, not guessed."""
+  with pytest.raises(ValueError, match="random outputs is 0 or not finite, so whether it is "
+                     'the sum or the mean of its micro-batch values cannot be told'):
+    metrics.MicroBatchLoss(lambda y: tf.reduce_mean(tf.nn.relu(-y)), 4, 16, 0, '1f1b')(
+        -tf.ones([4, 8]))
+
+
+def testTheProbeInAStepsGraphHoldsNoCopyOfTheOutputs():
+  """Probe outputs are random ops: a [8, 512, 2048] output (32 MB) adds no constant."""
+  like = tf.TensorSpec([2, 512, 2048], tf.float32)
+  graph = tf.function(lambda: metrics._ProbeInput(like, [2, 2, 2, 2], 0, 0)).get_concrete_function()
+  assert graph.graph.as_graph_def().ByteSize() < 10000
+  values = graph().numpy()
+  assert values.shape == (8, 512, 2048)
+  for m in range(4):  # Micro-batch m's values lie in [0.5, 1) + m / 4.
+    part = values[2 * m:2 * m + 2] - m / 4
+    assert 0.5 <= part.min() and part.max() < 1.0
