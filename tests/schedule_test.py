@@ -138,6 +138,15 @@ def testZbvReachesItsBoundFromMEqualsK(k):
       assert zbv.MaxPendingWeightGrads(stage) <= 4 * k
 
 
+@pytest.mark.parametrize('k, m', [(3, 4), (5, 7), (6, 8), (7, 9), (7, 10), (8, 11)])
+def testZbvKeepsTheFewestPendingWeightGradsOfTheRunsThatReachItsBound(k, m):
+  """Here forwards first reaches the bound at a lower cap than input gradients first, with more
+  pending Ws (K=6, M=8: 16 against 12); the order kept holds 2K, as input gradients first."""
+  zbv = schedule.Schedule('zbv', k, m, 2)
+  assert zbv.BubbleFraction() == pytest.approx((k - 1) / (6 * m + k - 1))
+  assert max(zbv.MaxPendingWeightGrads(stage) for stage in range(k)) == 2 * k
+
+
 @pytest.mark.parametrize('k', [2, 4, 8])
 def testMemoryOfEachScheduleIsFlatInMicroBatches(k):
   """Activations held (forward to input gradient) and pending Ws per device, M = 8..64."""

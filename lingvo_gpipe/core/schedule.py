@@ -269,24 +269,31 @@ def _Zbv(num_stages, num_micro_batches, placement):
   Either order reaches the least bubble one step allows, (K-1) / (6M + K-1), in some
   configurations and not in others: with input gradients first a device runs its B (or,
   at its cap, a W) while the next device waits for its F (K=8, M=20: 13 units more), with
-  forwards first its Bs come late (K=16, M=64: 25 units more). Trying both at each cap,
-  every K <= 8 with K <= M <= 64 reaches the bound (schedule_test). A pending W holds
-  what its weight gradients need, so the cap only grows where it buys time. With M < K
-  the runs miss it by 2(K - M) units or more (K=8, M=7: 2).
+  forwards first its Bs come late (K=16, M=64: 25 units more). Caps are tried in turn,
+  each with input gradients first, then forwards first; when forwards first reaches the
+  bound, input gradients first with larger caps are tried on until they reach it too,
+  and of those the order with the fewest pending Ws at once is kept (the cap bounds when
+  forwards wait, not the pending Ws themselves: K=6, M=8 has 16 at cap 7 forwards first,
+  12 at cap 8 input gradients first). Every K <= 8 with K <= M <= 64 reaches the bound
+  (schedule_test). With M < K the runs miss it by 2(K - M) units or more (K=8, M=7: 2).
   """
   limits = [2 * num_stages] * num_stages
   least = 6 * num_micro_batches + num_stages - 1  # Device K-1's work, after K-1 units.
-  best = None
-  for cap in range(num_stages, 2 * num_stages + 1):
-    for forwards_first in (False, True):
-      orders = _ZeroBubble(num_stages, num_micro_batches, placement, limits, cap,
-                           forwards_first).Run()
-      step = max(end for _, end in Simulate(orders, placement, num_micro_batches).values())
-      if best is None or step < best[0]:
-        best = (step, orders)
-      if step == least:
-        return orders
-  return best[1]
+  runs = [(cap, forwards_first) for cap in range(num_stages, 2 * num_stages + 1)
+          for forwards_first in (False, True)]
+  best = None  # (step, most pending Ws of a device, orders)
+  for cap, forwards_first in runs:
+    if best and best[0] == least and forwards_first:
+      continue  # Reached: only input gradients first may still hold fewer pending Ws.
+    orders = _ZeroBubble(num_stages, num_micro_batches, placement, limits, cap,
+                         forwards_first).Run()
+    step = max(end for _, end in Simulate(orders, placement, num_micro_batches).values())
+    pending = max(_Peak(order, {INPUT_GRAD: 1, WEIGHT_GRAD: -1}) for order in orders)
+    if best is None or (step, pending) < best[:2]:
+      best = (step, pending, orders)
+    if step == least and not forwards_first:
+      break
+  return best[2]
 
 
 def _Orders(name, num_stages, num_micro_batches, virtual_stages, placement):
