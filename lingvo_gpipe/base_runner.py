@@ -87,9 +87,12 @@ def ApplyBalanceFile(model_params, path, override=''):
   """Cuts the task's pipelines by the balance plan at `path` (tools/plan_balance.py), with the
   M, schedule and remat it was made for; a UserError if `override` set another of them.
   Returns what it changed (planner.ApplyPlan's texts)."""
+  inputs = model_params.input
+  batch_size = inputs.Get('batch_size') if isinstance(inputs, hyperparams.Params) and (
+      'batch_size' in inputs) else None
   try:
     return planner.ApplyPlan(model_params.task, planner.LoadPlan(path), 'task',
-                             fixed=OverrideKeys(override))
+                             fixed=OverrideKeys(override), batch_size=batch_size)
   except ValueError as e:
     raise UserError(f'--balance_file: {e}') from None
 

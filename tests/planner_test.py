@@ -308,6 +308,16 @@ def testApplyPlanRefusesToChangeWhatTheUserSet():
   fixed = ['task.stack.schedule', 'task.stack.model_dim']
   assert planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=fixed) == [
       'task.stack.num_micro_batches=2 (was 4)']
+  # A micro_batch_size giving the plan's M for the batch (16 rows of 8: M=2) stays; for 32
+  # rows (M=4) it is refused.
+  fixed = ['task.stack.micro_batch_size']
+  p.Set(micro_batch_size=8, num_micro_batches=1)
+  assert planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=fixed,
+                           batch_size=16) == []
+  assert (p.micro_batch_size, p.num_micro_batches) == (8, 1)
+  with pytest.raises(ValueError, match=r'task.stack.micro_batch_size is set to 8, but the '
+                     r'balance plan of test was made for num_micro_batches=2'):
+    planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=fixed, batch_size=32)
 
 
 

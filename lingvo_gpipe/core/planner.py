@@ -433,15 +433,16 @@ def LoadPlan(path):
 # -- applying a plan -------------------------------------------------------------------
 
 
-def ApplyPlan(params, plan, path='', fixed=()):
+def ApplyPlan(params, plan, path='', fixed=(), batch_size=None):
   """Cuts every pipeline of the params tree (in place) by the plan, with its M, schedule, remat.
 
   The plan's prediction holds for the M, schedule (one chunk per device: virtual_stages 1)
   and re-materialization (remat and cell_remat_policy) it was made for, so the pipelines
   take them, unless one of them is in `fixed` (dotted keys from `path` on that the user set,
   e.g. in an override): then it raises a ValueError naming both values rather than drop
-  either. The layer names must be the plan's. Returns one 'path.key=new (was old)' text
-  per value changed.
+  either. A micro_batch_size that gives the plan's M for a `batch_size` batch is kept. The
+  layer names must be the plan's. Returns one 'path.key=new (was old)' text per value
+  changed.
   """
   pipelines = list(pipeline_params.Find(params, path))
   if not pipelines:
@@ -457,11 +458,17 @@ def ApplyPlan(params, plan, path='', fixed=()):
                   micro_batch_size=None, schedule=plan.schedule, remat=plan.remat,
                   cell_remat_policy=plan.remat_policy)
     new = {key: value for key, value in wanted.items() if p.Get(key) != value}
+    if (p.micro_batch_size and batch_size and
+        pipeline_params.NumMicroBatches(p, batch_size) == plan.num_micro_batches):
+      new.pop('micro_batch_size')  # It gives the plan's M.
+      new.pop('num_micro_batches', None)
     for key, value in new.items():
       name = f'{where}.{key}' if where else key
       if name in fixed:
+        made_for = (f'num_micro_batches={plan.num_micro_batches}' if key == 'micro_batch_size'
+                    else repr(value))
         raise ValueError(f'{name} is set to {p.Get(key)!r}, but the balance plan of '
-                         f'{plan.source or "?"} was made for {value!r}: drop the setting, or '
+                         f'{plan.source or "?"} was made for {made_for}: drop the setting, or '
                          'plan again with it.')
       if value is not None:
         changes.append(f'{name}={value!r} (was {p.Get(key)!r})')
