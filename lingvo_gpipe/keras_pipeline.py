@@ -23,7 +23,8 @@ each micro-batch's outputs with its rows of the targets and sample weights
 weighs micro-batches by their rows); the layers' weight regularizers
 (self.losses) read only the weights and are added outside the pipeline;
 compiled metrics run on the whole batch's outputs. An overridden compute_loss
-is not used in training; a layer's activity_regularizer is refused.
+is refused by fit(), as are a layer's activity_regularizer and a loss added in
+call(), and, but for 'gpipe', a loss with ignore_class.
 
 It is a keras.Model: compile, fit (with callbacks and validation data),
 evaluate, predict, save and keras.models.load_model, export, and get_weights /
@@ -128,7 +129,8 @@ class PipelineModel(keras.Model):
     self.supports_jit = False
     layers, shape = _LayersAndShape(layers)
     # A ValueError naming a bad schedule or virtual_stages now, not at the first batch.
-    schedule_lib.ForPipeline(schedule, num_stages, num_micro_batches, virtual_stages)
+    self._whole_batch_loss = schedule_lib.ForPipeline(
+        schedule, num_stages, num_micro_batches, virtual_stages).whole_batch_loss
     self._layer_configs = [layer if isinstance(layer, dict) else keras.layers.serialize(layer)
                            for layer in layers]
     # Weights of the given layers that are built, copied in when the pipeline is built.
@@ -140,6 +142,9 @@ class PipelineModel(keras.Model):
                          jit_compile=jit_compile)
     self._pipeline = None
     self._output_shape = None
+    if input_shape is not None and not isinstance(input_shape, (list, tuple)):
+      raise ValueError(f'PipelineModel: input_shape must be the shape of one example, a list '
+                       f'or tuple such as (64,); got {input_shape!r}.')
     if input_shape is not None and shape is not None and tuple(input_shape) != shape:
       raise ValueError(f'PipelineModel: input_shape={tuple(input_shape)}, but the layers '
                        f'take examples of shape {shape} (their keras.Input).')
@@ -188,6 +193,8 @@ class PipelineModel(keras.Model):
     for layer, weights in zip(self._pipeline_layers, self._given_weights):
       if weights is not None:
         layer.set_weights(weights)
+        if hasattr(layer, 'finalize_state'):  # An adapted layer's statistics (Normalization).
+          layer.finalize_state()
     self.built = True
 
   def call(self, inputs, training=False):
@@ -207,6 +214,11 @@ class PipelineModel(keras.Model):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if self._compile_loss is None:
       raise ValueError(f'{self.name}: fit() trains the loss of compile(loss=...); none given.')
+    if type(self).compute_loss is not keras.Model.compute_loss:
+      raise ValueError(f'{self.name}: fit() trains the loss of compile(loss=...) on each '
+                       'micro-batch, so an overridden compute_loss would not run; put the loss '
+                       'into compile(loss=...) instead.')
+    self._CheckLossMerges()
     x = self._CastInput(x)
     if not self.built:  # Not built by its first call (call() does not run in training).
       self.build(tuple(x.shape.as_list()))
@@ -226,6 +238,18 @@ class PipelineModel(keras.Model):
       warnings.warn('The model does not have any trainable weights.', stacklevel=2)
     self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+  def _CheckLossMerges(self):
+    """A loss whose mean counts only some labels (ignore_class) cannot be merged from
+    micro-batches: refused unless the schedule takes the whole batch's loss ('gpipe')."""
+    for item in tf.nest.flatten(self.loss):
+      ignored = getattr(item, 'ignore_class', None)
+      if ignored is not None and not self._whole_batch_loss:
+        raise ValueError(
+            f"{self.name}: the loss's ignore_class={ignored} makes it a mean over the labels "
+            f"that are not {ignored}, which schedule={self._options['schedule']!r} cannot merge "
+            "from its micro-batches' losses; use schedule='gpipe', or a loss that returns "
+            'per-example values with sample weights that are 0 for those labels.')
 
   def _CastInput(self, x):
     """A floating input in the compute dtype, as keras.Model.__call__ hands it to call()."""

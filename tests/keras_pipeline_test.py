@@ -381,3 +381,83 @@ def testAFloat32HeadUnderAFloat64Policy():
   y = pipe(x)
   assert y.dtype == tf.float32
   np.testing.assert_allclose(y, seq(x), rtol=1e-6)
+
+
+def testAnAdaptedNormalizationPredictsLikeSequential():
+  """adapt() computes the statistics from the data; the copy takes them with its weights."""
+  x, _ = _Data(64)
+  norm = keras.layers.Normalization()
+  norm.adapt(x * 3.0 + 2.0)
+  seq = keras.Sequential([keras.Input((12,)), norm, keras.layers.Dense(4)])
+  pipe = keras_pipeline.PipelineModel(seq, num_stages=2, num_micro_batches=2)
+  want = seq.predict(x, verbose=0)
+  assert _RelativeDifference([pipe.predict(x, verbose=0)], [want]) < 1e-6
+
+
+def testWhatAPipelineWouldDropOrChangeIsRefused():
+  """SpatialDropout (its mask is not per element), add_loss in call(), an overridden
+  compute_loss in fit(), a loss with ignore_class but for 'gpipe', an input_shape of an int."""
+
+  @keras.saving.register_keras_serializable('keras_pipeline_test')
+  class AddsLoss(keras.layers.Layer):
+
+    def call(self, x):
+      self.add_loss(tf.reduce_sum(x))
+      return x
+
+  class _OwnLoss(keras_pipeline.PipelineModel):
+
+    def compute_loss(self, *args, **kwargs):
+      return 10.0 * super().compute_loss(*args, **kwargs)
+
+  with pytest.raises(ValueError, match='SpatialDropout1D is not supported'):
+    keras_pipeline.PipelineModel([keras.layers.SpatialDropout1D(0.5), keras.layers.Dense(2)],
+                                 num_stages=2, input_shape=(3, 4))
+  x, y = _Data(32)
+  pipe = keras_pipeline.PipelineModel([keras.layers.Dense(4), AddsLoss()], num_stages=2,
+                                      input_shape=(12,))
+  pipe.compile('sgd', 'mse')
+  with pytest.raises(ValueError, match='adds a loss in call'):
+    pipe.fit(x, y, batch_size=_BATCH, verbose=0)
+  own = _OwnLoss(_Layers(), num_stages=2, input_shape=(12,))
+  own.compile('sgd', 'mse')
+  with pytest.raises(ValueError, match='an overridden compute_loss would not run'):
+    own.fit(x, y, batch_size=_BATCH, verbose=0)
+  ignoring = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
+  labels = np.arange(32) % 4 - 1  # A quarter of them ignored.
+  for sched, refused in (('1f1b', True), ('gpipe', False)):
+    pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=2,
+                                        schedule=sched, input_shape=(12,))
+    pipe.compile('sgd', ignoring)
+    if refused:
+      with pytest.raises(ValueError, match="ignore_class=-1 makes it a mean over the labels"):
+        pipe.fit(x, labels, batch_size=_BATCH, verbose=0)
+    else:
+      pipe.fit(x, labels, batch_size=_BATCH, verbose=0)
+  with pytest.raises(ValueError, match='input_shape must be the shape of one example.*got 8'):
+    keras_pipeline.PipelineModel(_Layers(), num_stages=2, input_shape=8)
+
+  class Unregistered(keras.layers.Layer):
+
+    def call(self, x):
+      return x
+
+  with pytest.raises(ValueError, match=r"unregistered0: a pipeline builds each Keras layer "
+                     r"from its config, and Keras cannot: Could not locate class 'Unregistered'"
+                     r".*register_keras_serializable"):
+    keras_pipeline.PipelineModel([Unregistered(), keras.layers.Dense(2)], num_stages=2,
+                                 input_shape=(4,))
+
+
+def testADropoutSeedChangesItsMasks():
+  """Dropout(seed=s): the masks follow s (and are the same for the same s); no seed: the
+  layer's path."""
+  x = np.ones((16, 12), 'float32')
+
+  def Masks(seed):
+    pipe = keras_pipeline.PipelineModel([keras.layers.Dropout(0.5, seed=seed)], num_stages=1,
+                                        input_shape=(12,))
+    return pipe(x, training=True).numpy() == 0
+
+  assert (Masks(1) == Masks(1)).all() and (Masks(None) == Masks(None)).all()
+  assert (Masks(1) != Masks(2)).any() and (Masks(1) != Masks(None)).any()

@@ -12,7 +12,9 @@ the layer's `__call__` so that Keras applies its dtype policy.
 What Keras would do with state, this layer does the way the pipeline needs it:
   * `keras.layers.Dropout` draws its mask from `py_utils.BatchUniform`, the
     stateless per-example noise of DropoutLayer: the same units drop for any
-    number of micro-batches or stages, and again in a recomputed forward.
+    number of micro-batches or stages, and again in a recomputed forward. Its
+    seed is the layer's path, and the Dropout's own seed if it has one. Its
+    subclasses (SpatialDropout*) are refused: their masks are not per element.
     Random ops inside other layers (MultiHeadAttention's dropout, GaussianNoise)
     get a seed from (layer, step, micro-batch): deterministic under
     re-materialization, but other numbers than the same layer unpipelined.
@@ -20,7 +22,7 @@ What Keras would do with state, this layer does the way the pipeline needs it:
     statistics and records them (RecordUpdate): the moving averages follow the
     whole batch's statistics once per step, as BatchNormLayer's do.
   * Any other update of a non-trainable variable in `call()` is an error: the
-    pipeline could not apply it once per step.
+    pipeline could not apply it once per step. So is a loss added in `call()`.
   * A layer that makes a Keras mask (Embedding(mask_zero=True), Masking) is an
     error: the mask would not reach the layers after a cut.
 
@@ -79,8 +81,14 @@ def _ExampleShape(what, input_shape):
 def _NewKerasLayer(what, spec):
   """A new, unbuilt Keras layer from params.layer: a function or a serialized config."""
   if isinstance(spec, dict):
-    # Without its build_config, deserialize leaves the layer unbuilt.
-    layer = keras.layers.deserialize({k: v for k, v in spec.items() if k != 'build_config'})
+    try:  # Without its build_config, deserialize leaves the layer unbuilt.
+      layer = keras.layers.deserialize({k: v for k, v in spec.items() if k != 'build_config'})
+    except (TypeError, ValueError) as e:
+      raise ValueError(
+          f'{what}: a pipeline builds each Keras layer from its config, and Keras cannot: '
+          f'{str(e).split(". ")[0]}. Register a custom layer class with '
+          '@keras.saving.register_keras_serializable(); a Lambda layer needs '
+          'keras.config.enable_unsafe_deserialization().') from None
   elif callable(spec) and not isinstance(spec, keras.layers.Layer):
     layer = spec()
   else:
@@ -145,6 +153,10 @@ class KerasLayer(base_layer.BaseLayer):
                        f'build ({foreign}); KerasLayer needs a layer that owns its variables.')
     # (our variable name, Keras variable), in the order of layer.variables.
     self._state = [(names[v.value.ref()], v) for v in layer.variables]
+    if isinstance(layer, keras.layers.Dropout) and type(layer) is not keras.layers.Dropout:
+      raise ValueError(f'{self.path}: {type(layer).__name__} is not supported: its mask would '
+                       'be drawn per element; use keras.layers.Dropout with a noise_shape '
+                       '(SpatialDropout1D is noise_shape=(None, 1, channels)).')
     if isinstance(layer, keras.layers.Dropout) and layer.noise_shape is not None and (
         layer.noise_shape[0] is not None):
       raise ValueError(f'{self.path}: Dropout noise_shape {layer.noise_shape} must leave the '
@@ -213,9 +225,12 @@ class KerasLayer(base_layer.BaseLayer):
     step = self.TrainingStep() if random_state else None
     mapping = [(v, self._SeedState(i, step) if random_state and v.name == _SEED_STATE_NAME
                 else theta[name]) for i, (name, v) in enumerate(self._state)]
-    with keras.StatelessScope(state_mapping=mapping) as scope:
+    with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
       before = [scope.get_current_value(v) for _, v in self._state]
       out = layer(inputs, training=training)
+    if scope.losses:
+      raise ValueError(f'{self.path}: the Keras layer {layer.name!r} adds a loss in call() '
+                       '(add_loss), which the pipeline would drop; weight regularizers work.')
     updated = [v for (_, v), value in zip(self._state, before)
                if scope.get_current_value(v) is not value and v.name != _SEED_STATE_NAME]
     if isinstance(layer, keras.layers.BatchNormalization) and updated:
@@ -251,7 +266,10 @@ class KerasLayer(base_layer.BaseLayer):
       dims = tf.unstack(tf.shape(x))
       like = tf.zeros([dims[i] if d is None else d for i, d in enumerate(layer.noise_shape)])
     keep_prob = 1.0 - layer.rate
-    keep = py_utils.BatchUniform(self.layer_seed, self.TrainingStep(), like) < keep_prob
+    seed = self.layer_seed
+    if layer.seed is not None:  # The user's seed: another seed gives other masks.
+      seed = (seed * 1000003 + layer.seed) % 2**31
+    keep = py_utils.BatchUniform(seed, self.TrainingStep(), like) < keep_prob
     return tf.where(keep, x / tf.cast(keep_prob, x.dtype), tf.zeros_like(x))
 
   # -- batch-norm statistics ------------------------------------------------------
