@@ -201,6 +201,10 @@ class PipelineModel(keras.Model):
     """The pipelined forward; with training=True differentiable, by fill-drain ('gpipe'
     only: fit() trains any schedule through train_step)."""
     training = bool(training)
+    if training and not self._whole_batch_loss:
+      raise ValueError(f"{self.name}: a call with training=True is differentiated as a whole, "
+                       f"which only schedule='gpipe' runs; fit() trains with "
+                       f"schedule={self._options['schedule']!r}.")
     # Before compile() there is no optimizer: random ops then count their own calls.
     optimizer = getattr(self, 'optimizer', None)
     step = optimizer.iterations if training and optimizer is not None else None
@@ -211,6 +215,15 @@ class PipelineModel(keras.Model):
     """One step of the schedule (module doc): ForwardBackward with compile()'s loss,
     the regularizers' gradients added, applied by the optimizer; the logs of
     Keras's own train_step (loss and compiled metrics)."""
+    try:
+      return self._TrainStep(data)
+    except Exception:
+      # Keras keeps the step function whose trace failed, and it then returns nothing: the
+      # next fit() makes a new one.
+      self.train_function = None
+      raise
+
+  def _TrainStep(self, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if self._compile_loss is None:
       raise ValueError(f'{self.name}: fit() trains the loss of compile(loss=...); none given.')

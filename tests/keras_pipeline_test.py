@@ -461,3 +461,44 @@ def testADropoutSeedChangesItsMasks():
 
   assert (Masks(1) == Masks(1)).all() and (Masks(None) == Masks(None)).all()
   assert (Masks(1) != Masks(2)).any() and (Masks(1) != Masks(None)).any()
+
+
+def testAFitThatFailedToTraceLeavesTheModelTrainable():
+  """A first fit() on inputs of the wrong width fails; a fit() on the right ones then trains
+  as a model that never failed (Keras kept the failed step function, which returned nothing)."""
+  x, y = _Data(32)
+  weights = []
+  for fail_first in (True, False):
+    keras.utils.set_random_seed(0)
+    pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=2,
+                                        schedule='1f1b', input_shape=(12,))
+    pipe.compile('sgd', 'mse')
+    if fail_first:
+      with pytest.raises(ValueError, match='cannot take the pipeline input'):
+        pipe.fit(x[:, :5], y, batch_size=_BATCH, verbose=0)
+    pipe.fit(x, y, batch_size=_BATCH, verbose=0, shuffle=False)
+    weights.append(pipe.get_weights())
+  assert _RelativeDifference(weights[0], weights[1]) == 0
+
+
+def testMistakesOutsideGpipeAreOneLineErrors():
+  """A per-example loss (reduction=None), outputs of a variable length and a training call,
+  each under a schedule that calls the loss per micro-batch."""
+  x, y = _Data(32)
+  pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=2,
+                                      schedule='1f1b', input_shape=(12,))
+  pipe.compile('sgd', keras.losses.MeanSquaredError(reduction=None))
+  with pytest.raises(ValueError, match=r"Metric 'loss' must be a scalar, got shape \(8,\)"):
+    pipe.fit(x, y, batch_size=_BATCH, verbose=0)
+  with pytest.raises(ValueError, match=r"training=True is differentiated as a whole, which "
+                     r"only schedule='gpipe' runs; fit\(\) trains with schedule='1f1b'"):
+    pipe(x, training=True)
+  ragged = keras_pipeline.PipelineModel([keras.layers.Dense(3)], num_stages=1,
+                                        num_micro_batches=2, schedule='1f1b',
+                                        input_shape=(None, 4))
+  ragged.compile('sgd', 'mse')
+  with pytest.raises(ValueError, match=r"the outputs' shape \(.*None, 3\) has an unknown "
+                     r"dimension besides the batch: use schedule='gpipe'"):
+    batches = ((np.ones((4, n, 4), 'float32'), np.ones((4, n, 3), 'float32')) for n in (5, 6))
+    ragged.fit(tf.data.Dataset.from_generator(lambda: batches, output_signature=(
+        tf.TensorSpec([4, None, 4]), tf.TensorSpec([4, None, 3]))), verbose=0)

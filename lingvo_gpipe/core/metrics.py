@@ -62,7 +62,10 @@ def _ProbeInput(like, sizes, batch_dim, seed):
   shape = like.shape.as_list()
   shape[batch_dim] = sum(sizes)
   if None in shape:
-    raise ValueError(f'outputs of shape {like.shape} are not fully static')
+    raise ValueError(
+        'a schedule that calls loss_fn on each micro-batch probes it on random outputs of the '
+        f"batch's shape, but the outputs' shape {like.shape} has an unknown dimension besides "
+        "the batch: use schedule='gpipe', or give the outputs a fixed shape (pad them)")
   if not like.dtype.is_floating:
     return tf.zeros(shape, like.dtype)
   offsets = np.repeat(np.arange(len(sizes)) / len(sizes), sizes)
@@ -264,6 +267,7 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
 
   def MicroBatchLossFn(*args):
     value = Call(*args)
+    AsMetrics(value)  # A ValueError unless its metrics are scalars or (value, weight) pairs.
     if not probed and (_Scalars(value) or uneven):
       Probe(args)
       probed.append(True)
