@@ -137,7 +137,8 @@ flags.DEFINE_integer('eval_batches', None, 'Evalers: at most this many batches p
 flags.DEFINE_string('balance_file', '',
                     'A balance plan (tools/plan_balance.py) that cuts the pipelines of the model '
                     'into its stages, replacing their splits, with the M, schedule and remat '
-                    'it was made for (an override that sets another one is an error).')
+                    'it was made for (an override that sets another one, or another cut, is '
+                    'an error).')
 flags.DEFINE_integer('pipeline_stats_every', 0,
                      'Every N steps, time the pipeline schedule steps of one training step and '
                      'write pipeline/bubble_fraction (measured, simulated, theory) and per-stage '

@@ -318,6 +318,13 @@ def testApplyPlanRefusesToChangeWhatTheUserSet():
   with pytest.raises(ValueError, match=r'task.stack.micro_batch_size is set to 8, but the '
                      r'balance plan of test was made for num_micro_batches=2'):
     planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=fixed, batch_size=32)
+  # A cut the user set: refused unless it is the plan's.
+  p.Set(splits=[2, 5], micro_batch_size=None, num_micro_batches=2)
+  with pytest.raises(ValueError, match=r'task.stack.splits cuts the layers at \[2, 5\], but the '
+                     r'balance plan of test cuts them at \[1, 3, 5\]: drop one'):
+    planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=['task.stack.splits'])
+  assert p.splits == [2, 5]
+  planner.ApplyPlan(p, _PlanFor(names, [2, 5]), 'task.stack', fixed=['task.stack.splits'])
 
 
 

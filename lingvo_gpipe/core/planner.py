@@ -472,6 +472,12 @@ def ApplyPlan(params, plan, path='', fixed=(), batch_size=None):
                          'plan again with it.')
       if value is not None:
         changes.append(f'{name}={value!r} (was {p.Get(key)!r})')
+    own_ends = list(pipeline_params.LayersAndEnds(p)[1])
+    for key in ('splits', 'cell_tpl'):  # A stack's cut, a plain pipeline's cells.
+      name = f'{where}.{key}' if where else key
+      if name in fixed and own_ends != list(plan.ends):
+        raise ValueError(f'{name} cuts the layers at {own_ends}, but the balance plan of '
+                         f'{plan.source or "?"} cuts them at {list(plan.ends)}: drop one.')
     p.Set(**new)
     pipeline_params.Recut(p, plan.ends)
   return changes
