@@ -1078,7 +1078,8 @@ def testBadInputsAreClearErrors(make, match):
 def testMismatchedCellsNameTheCell():
   cells = [_Res.Params().Set(name='cell0'), _Res.Params().Set(name='cell1', dim=DIM + 1)]
   pipe = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells).Instantiate()
-  with pytest.raises(ValueError, match=r'cell 1 \(pipe/cell1\) cannot take the output of cell 0'):
+  with pytest.raises(ValueError,
+                     match=r'cell 1 \(pipe/cell1\) failed on the output of cell 0 \(shapes '):
     pipe.ForwardBackward(pipe.theta, _Input(), _Loss)
 
 

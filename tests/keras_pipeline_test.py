@@ -474,7 +474,7 @@ def testAFitThatFailedToTraceLeavesTheModelTrainable():
                                         schedule='1f1b', input_shape=(12,))
     pipe.compile('sgd', 'mse')
     if fail_first:
-      with pytest.raises(ValueError, match='cannot take the pipeline input'):
+      with pytest.raises(ValueError, match='failed on the pipeline input'):
         pipe.fit(x[:, :5], y, batch_size=_BATCH, verbose=0)
     pipe.fit(x, y, batch_size=_BATCH, verbose=0, shuffle=False)
     weights.append(pipe.get_weights())

@@ -324,8 +324,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
       shapes = [getattr(x, 'shape', x) for x in tf.nest.flatten(args)]
       source = f'the output of cell {c - 1}' if c else 'the pipeline input'
-      raise ValueError(f'Pipeline cell {c} ({cell.path}) cannot take {source} with shapes '
-                       f'{shapes}: {e}') from e
+      raise ValueError(f'Pipeline cell {c} ({cell.path}) failed on {source} (shapes '
+                       f'{shapes}): {e}') from e
     return _CastFloats(executor.AsArgs(out), self._HandOverDType(c)), acts
 
   # -- public entry points --------------------------------------------------------
