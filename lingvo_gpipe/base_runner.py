@@ -41,11 +41,11 @@ class NonFiniteError(UserError):
 
 def CheckPipelineBatches(model_params):
   """UserError naming both params if a pipeline of the task cannot split the input's batch."""
-  inputs = model_params.input
-  if not (isinstance(inputs, hyperparams.Params) and 'batch_size' in inputs):
+  batch_size = InputBatchSize(model_params)
+  if batch_size is None:
     return  # An input without a fixed batch size: the pipeline checks each batch.
   try:
-    pipeline_params.CheckBatch(model_params.task, inputs.batch_size, 'input.batch_size', 'task')
+    pipeline_params.CheckBatch(model_params.task, batch_size, 'input.batch_size', 'task')
   except ValueError as e:
     raise UserError(str(e)) from None
 
@@ -83,16 +83,22 @@ def LoadModelParams(key, dataset, override='', max_steps=None):
   return params
 
 
-def ApplyBalanceFile(model_params, path, override=''):
-  """Cuts the task's pipelines by the balance plan at `path` (tools/plan_balance.py), with the
-  M, schedule and remat it was made for; a UserError if `override` set another of them.
-  Returns what it changed (planner.ApplyPlan's texts)."""
+def InputBatchSize(model_params):
+  """The batch size of the model's input params, or None if they fix none."""
   inputs = model_params.input
-  batch_size = inputs.Get('batch_size') if isinstance(inputs, hyperparams.Params) and (
-      'batch_size' in inputs) else None
+  if isinstance(inputs, hyperparams.Params) and 'batch_size' in inputs:
+    return inputs.batch_size
+  return None
+
+
+def ApplyBalanceFile(model_params, path, override='', train_batch_size=None):
+  """Cuts the task's pipelines by the balance plan at `path` (tools/plan_balance.py), with the
+  M, schedule and remat it was made for; a UserError if `override` set another of them (a
+  micro_batch_size is checked by the M it gives the training batch, `train_batch_size`).
+  Returns what it changed (planner.ApplyPlan's texts)."""
   try:
     return planner.ApplyPlan(model_params.task, planner.LoadPlan(path), 'task',
-                             fixed=OverrideKeys(override), batch_size=batch_size)
+                             fixed=OverrideKeys(override), batch_size=train_batch_size)
   except ValueError as e:
     raise UserError(f'--balance_file: {e}') from None
 

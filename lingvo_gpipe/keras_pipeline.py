@@ -142,10 +142,12 @@ class PipelineModel(keras.Model):
                          jit_compile=jit_compile)
     self._pipeline = None
     self._output_shape = None
-    if input_shape is not None and not isinstance(input_shape, (list, tuple)):
-      raise ValueError(f'PipelineModel: input_shape must be the shape of one example, a list '
-                       f'or tuple such as (64,); got {input_shape!r}.')
-    if input_shape is not None and shape is not None and tuple(input_shape) != shape:
+    if input_shape is not None:
+      if not hasattr(input_shape, '__iter__'):
+        raise ValueError(f'PipelineModel: input_shape must be the shape of one example, a list '
+                         f'or tuple such as (64,); got {input_shape!r}.')
+      input_shape = tuple(None if d is None else int(d) for d in input_shape)
+    if input_shape is not None and shape is not None and input_shape != shape:
       raise ValueError(f'PipelineModel: input_shape={tuple(input_shape)}, but the layers '
                        f'take examples of shape {shape} (their keras.Input).')
     shape = input_shape if input_shape is not None else shape
@@ -191,9 +193,9 @@ class PipelineModel(keras.Model):
     self._pipeline_layers = [layer.keras_layer for cell in self._pipeline.cell
                              for layer in cell.sub]
     for layer, weights in zip(self._pipeline_layers, self._given_weights):
-      if weights is not None:
+      if weights:
         layer.set_weights(weights)
-        if hasattr(layer, 'finalize_state'):  # An adapted layer's statistics (Normalization).
+        if hasattr(layer, 'finalize_state'):  # Statistics adapt() left in weights (Normalization).
           layer.finalize_state()
     self.built = True
 

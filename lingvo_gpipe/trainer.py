@@ -584,8 +584,12 @@ def _Run():
     logging.warning('%s defines no %s(): evaluating its Train() data instead.', FLAGS.model,
                     dataset_name)
   if FLAGS.balance_file:
+    # The plan's M is the training batch's, also for an evaler (whose input is another).
+    train_params = model_params if dataset_name == 'Train' else base_runner.LoadModelParams(
+        FLAGS.model, 'Train', FLAGS.model_params_override)
     changes = base_runner.ApplyBalanceFile(model_params, FLAGS.balance_file,
-                                           FLAGS.model_params_override)
+                                           FLAGS.model_params_override,
+                                           base_runner.InputBatchSize(train_params))
     if changes:
       logging.warning('--balance_file %s was planned for other settings; using its %s.',
                       FLAGS.balance_file, ', '.join(changes))

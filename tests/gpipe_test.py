@@ -794,8 +794,9 @@ def testALossReadingATensorOfTheStepEqualsThePlainModel(sched):
   scale = tf.Variable(2.0)
   losses = {'mean': lambda y, s: tf.reduce_mean(tf.square(y - 0.5)) * s,
             'sum': lambda y, s: tf.reduce_sum(tf.square(y - 0.5)) * s,
-            'pair': lambda y, s: (tf.reduce_mean(tf.square(y - 0.5)) * s,
-                                  tf.cast(tf.shape(y)[0], tf.float32))}
+            'pair': lambda y, s: {'loss': (tf.reduce_mean(tf.square(y - 0.5)) * s,
+                                           tf.cast(tf.shape(y)[0], tf.float32)),
+                                  'one': (tf.ones([], tf.int32), tf.shape(y)[0])}}  # An int.
   for name, rows in (('mean', BATCH), ('sum', 10), ('pair', 10)):
     loss_fn = losses[name]
     x = _Input()[:rows]

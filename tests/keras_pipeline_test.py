@@ -392,6 +392,14 @@ def testAnAdaptedNormalizationPredictsLikeSequential():
   pipe = keras_pipeline.PipelineModel(seq, num_stages=2, num_micro_batches=2)
   want = seq.predict(x, verbose=0)
   assert _RelativeDifference([pipe.predict(x, verbose=0)], [want]) < 1e-6
+  # Discretization keeps its bins in its config, no weights: nothing to finalize.
+  bins = keras.layers.Discretization(num_bins=4)
+  bins.adapt(x[:, 0])
+  seq = keras.Sequential([keras.Input((12,)), bins])
+  pipe = keras_pipeline.PipelineModel(seq, num_stages=1, input_shape=x.shape[1:])  # A tuple...
+  np.testing.assert_array_equal(pipe.predict(x, verbose=0), seq.predict(x, verbose=0))
+  pipe = keras_pipeline.PipelineModel(seq, num_stages=1, input_shape=tf.TensorShape([12]))
+  np.testing.assert_array_equal(pipe.predict(x, verbose=0), seq.predict(x, verbose=0))
 
 
 def testWhatAPipelineWouldDropOrChangeIsRefused():
@@ -442,6 +450,10 @@ def testWhatAPipelineWouldDropOrChangeIsRefused():
     def call(self, x):
       return x
 
+  with pytest.raises(ValueError, match=r"dense0: a pipeline builds each Keras layer from its "
+                     r"config, and Keras cannot: Received an invalid value for `units`"):
+    keras_pipeline.PipelineModel([dict(keras.layers.serialize(keras.layers.Dense(2)),
+                                       config=dict(units=-3))], num_stages=1, input_shape=(4,))
   with pytest.raises(ValueError, match=r"unregistered0: a pipeline builds each Keras layer "
                      r"from its config, and Keras cannot: Could not locate class 'Unregistered'"
                      r".*register_keras_serializable"):

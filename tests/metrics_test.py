@@ -13,17 +13,23 @@ def testMergeMetricsWeighsEachValueByItsWeight():
 
 
 @pytest.mark.parametrize('dtype', [tf.float32, tf.bfloat16, tf.float16])
-def testTheProbeTellsSumsAndMeansOfHalfPrecisionLosses(dtype):
-  """An exact mean or sum in 16 bits is told apart (a bfloat16 probe raised inside numpy, and
-  1e-4 of tolerance refused both), and a max or a batch statistic is still refused."""
+def testTheProbeTellsSumsAndMeansAndRefusesBatchStatistics(dtype):
+  """16-bit losses are probed in float32: an exact mean or sum is told (a bfloat16 probe
+  raised inside numpy), and so is a small batch-statistic term that 16-bit rounding hides;
+  a statistic of an output minus a target is refused too (targets are probed with their
+  micro-batches' ranges in reverse order: in the same order they cancelled)."""
   part = tf.ones([4, 8], dtype)  # One micro-batch of 4 rows; 4 of them make 16.
   mean = metrics.MicroBatchLoss(tf.reduce_mean, 4, 16, 0, '1f1b')(part)
   assert [float(x) for x in mean] == [1.0, 0.25]  # (value, rows / batch)
   total = metrics.MicroBatchLoss(tf.reduce_sum, 4, 16, 0, '1f1b')(part)
   assert [float(x) for x in total] == [128.0, 0.25]  # (value x M, 1 / M)
-  for loss_fn in (tf.reduce_max, lambda y: tf.square(tf.reduce_mean(y))):
+  for loss_fn in (lambda y, t: tf.reduce_max(y),
+                  lambda y, t: tf.reduce_mean(tf.square(y - t)) + 0.05 * tf.square(
+                      tf.reduce_mean(y)),
+                  lambda y, t: tf.math.reduce_variance(y - t)):
+    wide = tf.ones([4, 1024], dtype)  # Wide: sampling noise alone would not tell them.
     with pytest.raises(ValueError, match='is neither the sum .* nor the mean'):
-      metrics.MicroBatchLoss(loss_fn, 4, 16, 0, '1f1b')(part)
+      metrics.MicroBatchLoss(loss_fn, 4, 16, 0, '1f1b')(wide, wide)
 
 
 def testALossThatIsZeroOnTheProbeCannotBeTold():

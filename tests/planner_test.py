@@ -315,8 +315,8 @@ def testApplyPlanRefusesToChangeWhatTheUserSet():
   assert planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=fixed,
                            batch_size=16) == []
   assert (p.micro_batch_size, p.num_micro_batches) == (8, 1)
-  with pytest.raises(ValueError, match=r'task.stack.micro_batch_size is set to 8, but the '
-                     r'balance plan of test was made for num_micro_batches=2'):
+  with pytest.raises(ValueError, match=r'task.stack.micro_batch_size is set to 8 \(M=4 for 32 '
+                     r'rows\), but the balance plan of test was made for num_micro_batches=2'):
     planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=fixed, batch_size=32)
   # A cut the user set: refused unless it is the plan's.
   p.Set(splits=[2, 5], micro_batch_size=None, num_micro_batches=2)
@@ -325,6 +325,12 @@ def testApplyPlanRefusesToChangeWhatTheUserSet():
     planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=['task.stack.splits'])
   assert p.splits == [2, 5]
   planner.ApplyPlan(p, _PlanFor(names, [2, 5]), 'task.stack', fixed=['task.stack.splits'])
+  p.splits = 3  # A stage count: a plan of 3 stages keeps it; one of 2 does not.
+  planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=['task.stack.splits'])
+  p.splits = 3
+  with pytest.raises(ValueError, match=r'task.stack.splits cuts the layers into 3 stages, but '
+                     r'the balance plan of test cuts them at \[2, 5\]'):
+    planner.ApplyPlan(p, _PlanFor(names, [2, 5]), 'task.stack', fixed=['task.stack.splits'])
 
 
 
@@ -337,6 +343,26 @@ def testApplyPlanRunsItsScheduleOnOneChunkPerDevice():
       'task.stack.virtual_stages=1 (was 2)', "task.stack.schedule='gpipe' (was 'zbv')"]
   assert (p.virtual_stages, p.splits) == (1, [2, 5])
   assert len(p.Instantiate().cell) == 2
+
+def testAnEvalerTakesTheTrainersPlanAndMicroBatchSize(tmp_path):
+  """An override's micro_batch_size gives the plan's M for the training batch (16 rows / 4):
+  the trainer and the evaler of the same command line both take it, though the evaler's
+  batch (8 rows) would give another M."""
+  names = ['tgt_emb', 'dec0', 'dec1', 'dec2', 'dec3', 'softmax']
+  path = str(tmp_path / 'plan.json')
+  planner.Plan(source='byte', ends=[3, 6], num_micro_batches=4, schedule='gpipe',
+               remat='always', optimizer_slots=2,
+               layers=[profiler.LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names]).Save(path)
+  for job in ('controller,trainer', 'evaler_dev'):
+    proc = subprocess.run(
+        [sys.executable, '-m', 'lingvo_gpipe.trainer', '--mode=inspect_params',
+         '--model=lm.text.GPipeByteLm', f'--job={job}', f'--balance_file={path}',
+         '--model_params_override=task.stack.micro_batch_size : 4'],
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'), capture_output=True, text=True,
+        check=False)
+    assert proc.returncode == 0, (job, proc.stderr[-2000:])
+    assert 'task.stack.splits : [3, 6]' in proc.stdout
+
 
 def testProfileLayersMeasuresBytesExactly():
   dims = [8, 16, 4]

@@ -61,7 +61,8 @@ def _Registered():
   try:
     params = base_runner.LoadModelParams(FLAGS.model, 'Train', FLAGS.model_params_override)
     if FLAGS.balance_file:
-      base_runner.ApplyBalanceFile(params, FLAGS.balance_file, FLAGS.model_params_override)
+      base_runner.ApplyBalanceFile(params, FLAGS.balance_file, FLAGS.model_params_override,
+                                   base_runner.InputBatchSize(params))
   except base_runner.UserError as e:
     sys.exit(f'print_model: error: {e}')
   return params, [p for _, p in pipeline_params.Find(params.task)]

@@ -84,11 +84,13 @@ def _NewKerasLayer(what, spec):
     try:  # Without its build_config, deserialize leaves the layer unbuilt.
       layer = keras.layers.deserialize({k: v for k, v in spec.items() if k != 'build_config'})
     except (TypeError, ValueError) as e:
-      raise ValueError(
-          f'{what}: a pipeline builds each Keras layer from its config, and Keras cannot: '
-          f'{str(e).split(". ")[0]}. Register a custom layer class with '
-          '@keras.saving.register_keras_serializable(); a Lambda layer needs '
-          'keras.config.enable_unsafe_deserialization().') from None
+      # Keras nests the cause in 'Exception encountered:' paragraphs: the last is the cause.
+      cause = str(e).split(' Full object config:')[0].rsplit('Exception encountered:', 1)[-1]
+      cause = cause.strip()
+      advice = (' (Here: keras.config.enable_unsafe_deserialization().)'
+                if 'safe_mode' in cause else '')
+      raise ValueError(f'{what}: a pipeline builds each Keras layer from its config, and Keras '
+                       f'cannot: {cause}{advice}') from None
   elif callable(spec) and not isinstance(spec, keras.layers.Layer):
     layer = spec()
   else:

@@ -50,15 +50,17 @@ def _IsPair(value):
   return isinstance(value, (tuple, list))
 
 
-def _ProbeInput(like, sizes, batch_dim, seed):
-  """Random values shaped like micro-batch tensor `like`, for a batch of micro-batches of
-  `sizes` rows. Micro-batch i's floats lie in [0.5, 1) + i / len(sizes): positive, so logs and
-  roots of outputs stay finite, and from a range of their own, so that a loss reading batch
-  statistics (the square of a mean, a variance, centering by the batch's mean) gives a
-  whole-batch value far from any combination of its micro-batch values, however many values
-  it averages (on values of one distribution, its micro-batches' statistics agree with the
-  batch's to within the probe's tolerance). Made by random ops, not a constant: a probe in a
-  step's graph would otherwise hold the whole batch's outputs in the graph."""
+def _ProbeInput(like, sizes, batch_dim, index):
+  """Random values shaped like micro-batch tensor `like` (the index-th of loss_fn's tensors),
+  for a batch of micro-batches of `sizes` rows. Micro-batch i's floats lie in [0.5, 1) +
+  i / len(sizes) (every other tensor in reverse order, so that an output minus a target
+  still differs between micro-batches): positive, so logs and roots of outputs stay finite,
+  and from a range of their own, so that a loss reading batch statistics (the square of a
+  mean, a variance, centering by the batch's mean) gives a whole-batch value far from any
+  combination of its micro-batch values, however many values it averages. Made by random
+  ops, not a constant: a probe in a step's graph would otherwise hold the whole batch's
+  outputs in the graph. 16-bit floats are probed as float32: their rounding would hide a
+  small batch-statistic term, and how a loss merges does not depend on its precision."""
   shape = like.shape.as_list()
   shape[batch_dim] = sum(sizes)
   if None in shape:
@@ -68,24 +70,16 @@ def _ProbeInput(like, sizes, batch_dim, seed):
         "the batch: use schedule='gpipe', or give the outputs a fixed shape (pad them)")
   if not like.dtype.is_floating:
     return tf.zeros(shape, like.dtype)
-  offsets = np.repeat(np.arange(len(sizes)) / len(sizes), sizes)
+  parts = len(sizes)
+  order = range(parts) if index % 2 == 0 else reversed(range(parts))
+  offsets = np.repeat(np.array(list(order)) / parts, sizes)
   offsets = offsets.reshape([-1 if d == batch_dim else 1 for d in range(len(shape))])
   dtype = tf.float64 if like.dtype == tf.float64 else tf.float32
-  values = tf.random.stateless_uniform(shape, [seed, 0], 0.5, 1.0, dtype) + offsets.astype(
+  return tf.random.stateless_uniform(shape, [index, 0], 0.5, 1.0, dtype) + offsets.astype(
       dtype.as_numpy_dtype)
-  return tf.cast(values, like.dtype)
 
 
-# Relative tolerance of the probe's comparisons for a loss of a 16-bit float: a few of its
-# roundings (its epsilon: 2^-7, 2^-10), still below what batch statistics differ by; else 1e-4.
-_TOLERANCE = {tf.bfloat16: 4 * 2.0**-7, tf.float16: 4 * 2.0**-10}
-
-
-def _Tolerance(dtype):
-  return _TOLERANCE.get(dtype, 1e-4)
-
-
-def _Combination(whole, parts, sizes, tolerance):
+def _Combination(whole, parts, sizes):
   """'sum' or 'mean' if the whole batch's value is the sum of the micro-batches' values or
   their mean weighted by their sizes, else None; '' if the values cannot tell (all zero, or
   not all finite)."""
@@ -94,12 +88,12 @@ def _Combination(whole, parts, sizes, tolerance):
   if not np.isfinite(scale) or scale == 0.0:
     return ''
   for rule, value in (('sum', parts.sum()), ('mean', np.average(parts, weights=sizes))):
-    if abs(whole - value) <= tolerance * scale:
+    if abs(whole - value) <= 1e-4 * scale:
       return rule
   return None
 
 
-def _CombinationWhenRun(whole, parts, sizes, tolerance, message):
+def _CombinationWhenRun(whole, parts, sizes, message):
   """_Combination of values known only when the step runs: (is_sum, told, check), bool
   tensors: True for 'sum' (else 'mean'); whether the probe's values tell (not all zero, all
   finite); and whether one of the two holds or they do not tell (`message` if not)."""
@@ -107,21 +101,21 @@ def _CombinationWhenRun(whole, parts, sizes, tolerance, message):
   parts = tf.cast(tf.stack(parts), tf.float64)
   total = tf.reduce_sum(parts)
   mean = tf.reduce_sum(parts * np.asarray(sizes, np.float64) / sum(sizes))
-  tolerance = tolerance * tf.maximum(tf.abs(whole), tf.reduce_max(tf.abs(parts)))
+  tolerance = 1e-4 * tf.maximum(tf.abs(whole), tf.reduce_max(tf.abs(parts)))
   told = tf.math.is_finite(tolerance) & (tolerance > 0)
   is_sum = tf.abs(whole - total) <= tolerance
   holds = is_sum | (tf.abs(whole - mean) <= tolerance) | ~told
   return is_sum, told, _Check(holds, message, 'whole batch, sum, mean:', whole, total, mean)
 
 
-def _WeightedMeanWhenRun(value, pairs, tolerance, message):
+def _WeightedMeanWhenRun(value, pairs, message):
   """A _Check, when the step runs, that (value, weight) pairs merge to `value`."""
   values = tf.cast(tf.stack([v for v, _ in pairs]), tf.float64)
   weights = tf.cast(tf.stack([w for _, w in pairs]), tf.float64)
   value = tf.cast(value, tf.float64)
   merged = tf.math.divide_no_nan(tf.reduce_sum(values * weights), tf.reduce_sum(weights))
   holds = (tf.equal(tf.reduce_sum(weights), 0.0) |
-           (tf.abs(value - merged) <= tolerance * tf.maximum(tf.abs(value), tf.abs(merged))) |
+           (tf.abs(value - merged) <= 1e-4 * tf.maximum(tf.abs(value), tf.abs(merged))) |
            ~tf.math.is_finite(value - merged))
   return _Check(holds, message, 'whole batch, weighted mean:', value, merged)
 
@@ -137,6 +131,8 @@ def _Guarded(pair, checks):
   assertions away, so a loss that failed its check still cannot train silently."""
   value, weight = pair
   value = tf.convert_to_tensor(value)
+  if not value.dtype.is_floating:  # A count, say: it cannot be NaN, nor trains anything.
+    return pair
   weight = tf.cast(weight, value.dtype)
   holds = tf.reduce_all(tf.stack(checks))
   return value, tf.where(holds, weight, tf.constant(np.nan, value.dtype))
@@ -191,9 +187,9 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
                        f'{e}') from None
 
   def ProbeValues(args, sizes):
-    seeds = itertools.count()
+    index = itertools.count()
     whole = tf.nest.map_structure(
-        lambda x: _ProbeInput(x, sizes, batch_dim, next(seeds)) if isinstance(x, tf.Tensor)
+        lambda x: _ProbeInput(x, sizes, batch_dim, next(index)) if isinstance(x, tf.Tensor)
         else x, args)
     return [Call(*part) for part in [whole] + microbatch.Split(whole, num_parts, batch_dim)]
 
@@ -211,7 +207,6 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
       when_run = True
     for name, value in _Scalars(values[0]).items():
       parts = [_Scalars(v)[name] for v in values[1:]]
-      tolerance = _Tolerance(tf.convert_to_tensor(value).dtype)
       head = f'schedule={schedule!r} calls loss_fn on each of {num_parts} micro-batches, but its '
       advice = ('return (value, weight) pairs, which merge as sum(value * weight) / '
                 "sum(weight), or use schedule='gpipe'.")
@@ -220,13 +215,13 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
       untold = (head + f'{name!r} on the probe\'s random outputs is 0 or not finite, so whether '
                 'it is the sum or the mean of its micro-batch values cannot be told: ' + advice)
       if when_run:
-        is_sum, told, check = _CombinationWhenRun(value, parts, sizes, tolerance,
+        is_sum, told, check = _CombinationWhenRun(value, parts, sizes,
                                                   message.format('', '', ''))
         rules[name] = (is_sum, told, untold + " (A micro-batch's value is not 0.)")
         checks.append(check)
         continue
       whole, parts = _Floats(value), [_Floats(part) for part in parts]
-      rules[name] = _Combination(whole, parts, sizes, tolerance)
+      rules[name] = _Combination(whole, parts, sizes)
       if not rules[name]:
         raise ValueError(untold if rules[name] == '' else message.format(
             f' ({whole:.6g})', f' ({np.sum(parts):.6g})',
@@ -238,15 +233,14 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
                  "count the items the value is a mean over; or use schedule='gpipe', or a batch "
                  'that num_micro_batches divides.')
       pairs = [_Pairs(v)[name] for v in values[1:]]
-      tolerance = _Tolerance(tf.convert_to_tensor(value).dtype)
       if when_run:
-        checks.append(_WeightedMeanWhenRun(value, pairs, tolerance, message.format('', '')))
+        checks.append(_WeightedMeanWhenRun(value, pairs, message.format('', '')))
         continue
       pairs = np.asarray([[_Floats(x) for x in pair] for pair in pairs], np.float64)
       if not np.sum(pairs[:, 1]):
         continue  # No item to weigh in the probe's outputs: the pair's definition stands.
       value, merged = _Floats(value), float(np.sum(pairs[:, 0] * pairs[:, 1]) / np.sum(pairs[:, 1]))
-      if not abs(value - merged) <= tolerance * max(abs(value), abs(merged)):
+      if not abs(value - merged) <= 1e-4 * max(abs(value), abs(merged)):
         raise ValueError(message.format(f' ({value:.6g}, weight {_Floats(weight):.6g})',
                                         f' ({merged:.6g})'))
 

@@ -462,25 +462,40 @@ def ApplyPlan(params, plan, path='', fixed=(), batch_size=None):
         pipeline_params.NumMicroBatches(p, batch_size) == plan.num_micro_batches):
       new.pop('micro_batch_size')  # It gives the plan's M.
       new.pop('num_micro_batches', None)
-    for key, value in new.items():
-      name = f'{where}.{key}' if where else key
-      if name in fixed:
-        made_for = (f'num_micro_batches={plan.num_micro_batches}' if key == 'micro_batch_size'
-                    else repr(value))
-        raise ValueError(f'{name} is set to {p.Get(key)!r}, but the balance plan of '
-                         f'{plan.source or "?"} was made for {made_for}: drop the setting, or '
-                         'plan again with it.')
-      if value is not None:
-        changes.append(f'{name}={value!r} (was {p.Get(key)!r})')
-    own_ends = list(pipeline_params.LayersAndEnds(p)[1])
-    for key in ('splits', 'cell_tpl'):  # A stack's cut, a plain pipeline's cells.
-      name = f'{where}.{key}' if where else key
-      if name in fixed and own_ends != list(plan.ends):
-        raise ValueError(f'{name} cuts the layers at {own_ends}, but the balance plan of '
-                         f'{plan.source or "?"} cuts them at {list(plan.ends)}: drop one.')
+    _CheckFixed(where, p, plan, new, fixed, batch_size)
+    changes += [f'{_Dotted(where, key)}={value!r} (was {p.Get(key)!r})'
+                for key, value in new.items() if value is not None]
     p.Set(**new)
     pipeline_params.Recut(p, plan.ends)
   return changes
+
+
+def _Dotted(where, key):
+  return f'{where}.{key}' if where else key
+
+
+def _CheckFixed(where, p, plan, new, fixed, batch_size):
+  """A ValueError if the plan's `new` values or its cut would change one the user set."""
+  for key, value in new.items():
+    if _Dotted(where, key) in fixed:
+      own, made_for = repr(p.Get(key)), repr(value)
+      if key == 'micro_batch_size':
+        made_for = f'num_micro_batches={plan.num_micro_batches}'
+        if batch_size:
+          own += f' (M={pipeline_params.NumMicroBatches(p, batch_size)} for {batch_size} rows)'
+      raise ValueError(f'{_Dotted(where, key)} is set to {own}, but the balance plan of '
+                       f'{plan.source or "?"} was made for {made_for}: drop the setting, or '
+                       'plan again with it.')
+  own_ends = list(pipeline_params.LayersAndEnds(p)[1])
+  for key in ('splits', 'cell_tpl'):  # A stack's cut, a plain pipeline's cells.
+    count = p.Get(key) if key in p and isinstance(p.Get(key), int) else None
+    if count is None:
+      conflict, cut = own_ends != list(plan.ends), f'at {own_ends}'
+    else:  # A stage count: the plan's, or not.
+      conflict, cut = count != len(plan.ends), f'into {count} stages'
+    if _Dotted(where, key) in fixed and conflict:
+      raise ValueError(f'{_Dotted(where, key)} cuts the layers {cut}, but the balance plan of '
+                       f'{plan.source or "?"} cuts them at {list(plan.ends)}: drop one.')
 
 
 # -- profiling a pipeline ---------------------------------------------------------------
