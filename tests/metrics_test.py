@@ -32,6 +32,16 @@ def testTheProbeTellsSumsAndMeansAndRefusesBatchStatistics(dtype):
       metrics.MicroBatchLoss(loss_fn, 4, 16, 0, '1f1b')(wide, wide)
 
 
+def testALossOfProbabilitiesIsProbedWithinZeroAndOne():
+  """A binary cross-entropy on probabilities is finite on the probe: told as a mean."""
+  def CrossEntropy(p, t):
+    return -tf.reduce_mean(t * tf.math.log(p) + (1 - t) * tf.math.log(1 - p))
+
+  half = tf.fill([4, 8], 0.5)
+  value, weight = metrics.MicroBatchLoss(CrossEntropy, 4, 16, 0, '1f1b')(half, half)
+  assert float(value) == pytest.approx(np.log(2)) and float(weight) == 0.25
+
+
 def testALossThatIsZeroOnTheProbeCannotBeTold():
   """The probe's outputs are positive: a penalty on negative outputs is 0 there, which is
   the sum and the mean of its micro-batch values alike: refused, not guessed."""
@@ -48,6 +58,6 @@ def testTheProbeInAStepsGraphHoldsNoCopyOfTheOutputs():
   assert graph.graph.as_graph_def().ByteSize() < 10000
   values = graph().numpy()
   assert values.shape == (8, 512, 2048)
-  for m in range(4):  # Micro-batch m's values lie in [0.5, 1) + m / 4.
-    part = values[2 * m:2 * m + 2] - m / 4
-    assert 0.5 <= part.min() and part.max() < 1.0
+  for m in range(4):  # Micro-batch m's values lie in [m + 0.25, m + 0.75) / 4.
+    part = values[2 * m:2 * m + 2] * 4 - m
+    assert 0.25 <= part.min() and part.max() < 0.75

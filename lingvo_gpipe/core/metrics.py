@@ -52,12 +52,13 @@ def _IsPair(value):
 
 def _ProbeInput(like, sizes, batch_dim, index):
   """Random values shaped like micro-batch tensor `like` (the index-th of loss_fn's tensors),
-  for a batch of micro-batches of `sizes` rows. Micro-batch i's floats lie in [0.5, 1) +
-  i / len(sizes) (every other tensor in reverse order, so that an output minus a target
-  still differs between micro-batches): positive, so logs and roots of outputs stay finite,
-  and from a range of their own, so that a loss reading batch statistics (the square of a
-  mean, a variance, centering by the batch's mean) gives a whole-batch value far from any
-  combination of its micro-batch values, however many values it averages. Made by random
+  for a batch of micro-batches of `sizes` rows. Micro-batch i of M draws its floats from
+  [i + 0.25, i + 0.75) / M (every other tensor in reverse order, so that an output minus a
+  target still differs between micro-batches): within (0, 1), so logs and roots of outputs
+  and of 1 - outputs (probabilities) stay finite, and from a range of their own, so that a
+  loss reading batch statistics (the square of a mean, a variance, centering by the batch's
+  mean) gives a whole-batch value far from any combination of its micro-batch values,
+  however many values it averages. Made by random
   ops, not a constant: a probe in a step's graph would otherwise hold the whole batch's
   outputs in the graph. 16-bit floats are probed as float32: their rounding would hide a
   small batch-statistic term, and how a loss merges does not depend on its precision."""
@@ -72,11 +73,11 @@ def _ProbeInput(like, sizes, batch_dim, index):
     return tf.zeros(shape, like.dtype)
   parts = len(sizes)
   order = range(parts) if index % 2 == 0 else reversed(range(parts))
-  offsets = np.repeat(np.array(list(order)) / parts, sizes)
+  offsets = np.repeat(np.array(list(order)) + 0.25, sizes)
   offsets = offsets.reshape([-1 if d == batch_dim else 1 for d in range(len(shape))])
   dtype = tf.float64 if like.dtype == tf.float64 else tf.float32
-  return tf.random.stateless_uniform(shape, [index, 0], 0.5, 1.0, dtype) + offsets.astype(
-      dtype.as_numpy_dtype)
+  values = tf.random.stateless_uniform(shape, [index, 0], 0.0, 0.5, dtype)
+  return (values + offsets.astype(dtype.as_numpy_dtype)) / parts
 
 
 def _Combination(whole, parts, sizes):
