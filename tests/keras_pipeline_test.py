@@ -513,4 +513,4 @@ def testMistakesOutsideGpipeAreOneLineErrors():
                      r"dimension besides the batch: use schedule='gpipe'"):
     batches = ((np.ones((4, n, 4), 'float32'), np.ones((4, n, 3), 'float32')) for n in (5, 6))
     ragged.fit(tf.data.Dataset.from_generator(lambda: batches, output_signature=(
-        tf.TensorSpec([4, None, 4]), tf.TensorSpec([4, None, 3]))), verbose=0)
+        tf.TensorSpec([4, None, 4]), tf.TensorSpec([4, None, 3]))), shuffle=False, verbose=0)
