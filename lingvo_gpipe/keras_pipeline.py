@@ -49,6 +49,7 @@ float32 output layer, as Keras advises) computes in that, as in Keras.
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.core import gpipe
@@ -143,9 +144,10 @@ class PipelineModel(keras.Model):
     self._pipeline = None
     self._output_shape = None
     if input_shape is not None:
-      if not hasattr(input_shape, '__iter__'):
-        raise ValueError(f'PipelineModel: input_shape must be the shape of one example, a list '
-                         f'or tuple such as (64,); got {input_shape!r}.')
+      if isinstance(input_shape, str) or not hasattr(input_shape, '__iter__') or not all(
+          d is None or isinstance(d, (int, np.integer)) for d in input_shape):
+        raise ValueError(f'PipelineModel: input_shape must be the shape of one example, ints '
+                         f'such as (64,); got {input_shape!r}.')
       input_shape = tuple(None if d is None else int(d) for d in input_shape)
     if input_shape is not None and shape is not None and input_shape != shape:
       raise ValueError(f'PipelineModel: input_shape={tuple(input_shape)}, but the layers '

@@ -442,8 +442,9 @@ def testWhatAPipelineWouldDropOrChangeIsRefused():
         pipe.fit(x, labels, batch_size=_BATCH, verbose=0)
     else:
       pipe.fit(x, labels, batch_size=_BATCH, verbose=0)
-  with pytest.raises(ValueError, match='input_shape must be the shape of one example.*got 8'):
-    keras_pipeline.PipelineModel(_Layers(), num_stages=2, input_shape=8)
+  for bad in (8, '64', [64.7]):
+    with pytest.raises(ValueError, match='input_shape must be the shape of one example, ints'):
+      keras_pipeline.PipelineModel(_Layers(), num_stages=2, input_shape=bad)
 
   class Unregistered(keras.layers.Layer):
 

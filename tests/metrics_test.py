@@ -45,8 +45,8 @@ def testALossOfProbabilitiesIsProbedWithinZeroAndOne():
 def testALossThatIsZeroOnTheProbeCannotBeTold():
   """The probe's outputs are positive: a penalty on negative outputs is 0 there, which is
   the sum and the mean of its micro-batch values alike: refused, not guessed."""
-  with pytest.raises(ValueError, match="random outputs is 0 or not finite, so whether it is "
-                     'the sum or the mean of its micro-batch values cannot be told'):
+  with pytest.raises(ValueError, match=r"random outputs \(0, not finite, or as much as the sum "
+                     r'of its micro-batch values as their mean\) cannot tell which'):
     metrics.MicroBatchLoss(lambda y: tf.reduce_mean(tf.nn.relu(-y)), 4, 16, 0, '1f1b')(
         -tf.ones([4, 8]))
 
@@ -54,10 +54,39 @@ def testALossThatIsZeroOnTheProbeCannotBeTold():
 def testTheProbeInAStepsGraphHoldsNoCopyOfTheOutputs():
   """Probe outputs are random ops: a [8, 512, 2048] output (32 MB) adds no constant."""
   like = tf.TensorSpec([2, 512, 2048], tf.float32)
-  graph = tf.function(lambda: metrics._ProbeInput(like, [2, 2, 2, 2], 0, 0)).get_concrete_function()
+  graph = tf.function(
+      lambda: metrics._ProbeInput(like, [2, 2, 2, 2], 0, 0, True)).get_concrete_function()
   assert graph.graph.as_graph_def().ByteSize() < 10000
   values = graph().numpy()
   assert values.shape == (8, 512, 2048)
   for m in range(4):  # Micro-batch m's values lie in [m + 0.25, m + 0.75) / 4.
     part = values[2 * m:2 * m + 2] * 4 - m
     assert 0.25 <= part.min() and part.max() < 0.75
+
+
+def testAMeanNearZeroIsToldAsAMeanNotASum():
+  """mean(y - t) on wide outputs: targets from other ranges than outputs keep its whole-batch
+  value away from 0, where the sum and the mean of micro-batch values would both match (it
+  was told as a sum, M times the loss, once the probe's noise fell below the tolerance)."""
+  wide = tf.ones([4, 65536])
+  value, weight = metrics.MicroBatchLoss(lambda y, t: tf.reduce_mean(y - t), 4, 16, 0, '1f1b')(
+      wide, wide - 1.0)
+  assert float(value) == 1.0 and float(weight) == 0.25  # A mean: (value, rows / batch).
+
+
+@pytest.mark.parametrize('dtype', [tf.bfloat16, tf.float16])
+def testSixteenBitLossesThatFixTheirDType(dtype):
+  """A loss multiplying by a constant of its dtype cannot take the float32 probe: probed in
+  its own dtype; one casting to it is compared at its precision. Both are means."""
+  part = tf.ones([4, 8], dtype)
+  for loss_fn in (lambda y: tf.reduce_mean(y * tf.constant(2.0, dtype)),
+                  lambda y: tf.reduce_mean(tf.square(tf.cast(y, dtype)))):
+    value, weight = metrics.MicroBatchLoss(loss_fn, 4, 16, 0, '1f1b')(part)
+    assert float(weight) == 0.25, loss_fn
+
+
+def testABareIntegerMetricMergesAsASum():
+  part = tf.ones([4, 8])
+  result = metrics.MicroBatchLoss(lambda y: {'loss': tf.reduce_mean(y), 'count': tf.size(y)},
+                                  4, 16, 0, '1f1b')(part)
+  assert [float(x) for x in result['count']] == [128.0, 0.25]  # (32 x M, 1 / M)

@@ -4,6 +4,7 @@
 several batches or micro-batches merge exactly as sum(value * weight) / sum(weight).
 """
 
+import contextlib
 import itertools
 
 import numpy as np
@@ -50,18 +51,18 @@ def _IsPair(value):
   return isinstance(value, (tuple, list))
 
 
-def _ProbeInput(like, sizes, batch_dim, index):
-  """Random values shaped like micro-batch tensor `like` (the index-th of loss_fn's tensors),
-  for a batch of micro-batches of `sizes` rows. Micro-batch i of M draws its floats from
-  [i + 0.25, i + 0.75) / M (every other tensor in reverse order, so that an output minus a
-  target still differs between micro-batches): within (0, 1), so logs and roots of outputs
-  and of 1 - outputs (probabilities) stay finite, and from a range of their own, so that a
-  loss reading batch statistics (the square of a mean, a variance, centering by the batch's
-  mean) gives a whole-batch value far from any combination of its micro-batch values,
-  however many values it averages. Made by random
-  ops, not a constant: a probe in a step's graph would otherwise hold the whole batch's
-  outputs in the graph. 16-bit floats are probed as float32: their rounding would hide a
-  small batch-statistic term, and how a loss merges does not depend on its precision."""
+def _ProbeInput(like, sizes, batch_dim, index, widen):
+  """Random values shaped like micro-batch tensor `like` (the index-th of loss_fn's
+  flattened tensors), for a batch of micro-batches of `sizes` rows. Micro-batch i of M draws
+  its floats from [i + 0.25, i + 0.75) / M; every other tensor from [j + 0.1, j + 0.4) / M
+  with j = M-1-i, so that an output minus a target still differs between micro-batches
+  and its mean is not 0. Within (0, 1), so logs and roots of outputs and of 1 - outputs
+  (probabilities) stay finite; each micro-batch from a range of its own, so that a loss
+  reading batch statistics (the square of a mean, a variance, centering by the batch's
+  mean) gives a whole-batch value far from any combination of its micro-batch values.
+  Made by random ops, not a constant: a probe in a step's graph would otherwise hold the
+  whole batch's outputs in the graph. With `widen`, 16-bit floats come as float32: their
+  rounding would hide a small batch-statistic term."""
   shape = like.shape.as_list()
   shape[batch_dim] = sum(sizes)
   if None in shape:
@@ -72,29 +73,43 @@ def _ProbeInput(like, sizes, batch_dim, index):
   if not like.dtype.is_floating:
     return tf.zeros(shape, like.dtype)
   parts = len(sizes)
-  order = range(parts) if index % 2 == 0 else reversed(range(parts))
-  offsets = np.repeat(np.array(list(order)) + 0.25, sizes)
-  offsets = offsets.reshape([-1 if d == batch_dim else 1 for d in range(len(shape))])
-  dtype = tf.float64 if like.dtype == tf.float64 else tf.float32
-  values = tf.random.stateless_uniform(shape, [index, 0], 0.0, 0.5, dtype)
-  return (values + offsets.astype(dtype.as_numpy_dtype)) / parts
+  if index % 2 == 0:
+    offsets, width = np.arange(parts) + 0.25, 0.5
+  else:
+    offsets, width = np.arange(parts)[::-1] + 0.1, 0.3
+  offsets = np.repeat(offsets, sizes).reshape(
+      [-1 if d == batch_dim else 1 for d in range(len(shape))])
+  dtype = like.dtype if like.dtype == tf.float64 or not widen else tf.float32
+  values = tf.random.stateless_uniform(shape, [index, 0], 0.0, width, tf.float32)
+  return tf.cast((values + offsets.astype(np.float32)) / parts, dtype)
 
 
-def _Combination(whole, parts, sizes):
+# Relative tolerance of the probe's comparisons for a loss value of a 16-bit float: a few
+# of its roundings (epsilon 2^-7, 2^-10); else 1e-4.
+_TOLERANCE = {tf.bfloat16: 4 * 2.0**-7, tf.float16: 4 * 2.0**-10}
+
+
+def _Tolerance(value):
+  return _TOLERANCE.get(tf.convert_to_tensor(value).dtype, 1e-4)
+
+
+def _Combination(whole, parts, sizes, tolerance):
   """'sum' or 'mean' if the whole batch's value is the sum of the micro-batches' values or
-  their mean weighted by their sizes, else None; '' if the values cannot tell (all zero, or
-  not all finite)."""
+  their mean weighted by their sizes, else None; '' if the values cannot tell (all zero,
+  not all finite, or the sum and the mean alike, as for a value near 0)."""
   whole, parts = float(whole), np.asarray(parts, np.float64)
   scale = max(abs(whole), float(np.abs(parts).max()))
   if not np.isfinite(scale) or scale == 0.0:
     return ''
-  for rule, value in (('sum', parts.sum()), ('mean', np.average(parts, weights=sizes))):
-    if abs(whole - value) <= 1e-4 * scale:
-      return rule
-  return None
+  matches = [rule for rule, value in (('sum', parts.sum()),
+                                      ('mean', np.average(parts, weights=sizes)))
+             if abs(whole - value) <= tolerance * scale]
+  if len(matches) == 2 and len(parts) > 1:
+    return ''
+  return matches[-1] if matches else None
 
 
-def _CombinationWhenRun(whole, parts, sizes, message):
+def _CombinationWhenRun(whole, parts, sizes, tolerance, message):
   """_Combination of values known only when the step runs: (is_sum, told, check), bool
   tensors: True for 'sum' (else 'mean'); whether the probe's values tell (not all zero, all
   finite); and whether one of the two holds or they do not tell (`message` if not)."""
@@ -102,21 +117,24 @@ def _CombinationWhenRun(whole, parts, sizes, message):
   parts = tf.cast(tf.stack(parts), tf.float64)
   total = tf.reduce_sum(parts)
   mean = tf.reduce_sum(parts * np.asarray(sizes, np.float64) / sum(sizes))
-  tolerance = 1e-4 * tf.maximum(tf.abs(whole), tf.reduce_max(tf.abs(parts)))
-  told = tf.math.is_finite(tolerance) & (tolerance > 0)
+  tolerance = tolerance * tf.maximum(tf.abs(whole), tf.reduce_max(tf.abs(parts)))
   is_sum = tf.abs(whole - total) <= tolerance
-  holds = is_sum | (tf.abs(whole - mean) <= tolerance) | ~told
+  is_mean = tf.abs(whole - mean) <= tolerance
+  told = tf.math.is_finite(tolerance) & (tolerance > 0)
+  if len(sizes) > 1:
+    told &= ~(is_sum & is_mean)
+  holds = is_sum | is_mean | ~told
   return is_sum, told, _Check(holds, message, 'whole batch, sum, mean:', whole, total, mean)
 
 
-def _WeightedMeanWhenRun(value, pairs, message):
+def _WeightedMeanWhenRun(value, pairs, tolerance, message):
   """A _Check, when the step runs, that (value, weight) pairs merge to `value`."""
   values = tf.cast(tf.stack([v for v, _ in pairs]), tf.float64)
   weights = tf.cast(tf.stack([w for _, w in pairs]), tf.float64)
   value = tf.cast(value, tf.float64)
   merged = tf.math.divide_no_nan(tf.reduce_sum(values * weights), tf.reduce_sum(weights))
   holds = (tf.equal(tf.reduce_sum(weights), 0.0) |
-           (tf.abs(value - merged) <= 1e-4 * tf.maximum(tf.abs(value), tf.abs(merged))) |
+           (tf.abs(value - merged) <= tolerance * tf.maximum(tf.abs(value), tf.abs(merged))) |
            ~tf.math.is_finite(value - merged))
   return _Check(holds, message, 'whole batch, weighted mean:', value, merged)
 
@@ -187,25 +205,33 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
                        'alone (a loss must read nothing but them), and it failed on them: '
                        f'{e}') from None
 
-  def ProbeValues(args, sizes):
+  def ProbeValues(args, sizes, widen):
     index = itertools.count()
     whole = tf.nest.map_structure(
-        lambda x: _ProbeInput(x, sizes, batch_dim, next(index)) if isinstance(x, tf.Tensor)
-        else x, args)
+        lambda x: _ProbeInput(x, sizes, batch_dim, next(index), widen)
+        if isinstance(x, tf.Tensor) else x, args)
     return [Call(*part) for part in [whole] + microbatch.Split(whole, num_parts, batch_dim)]
+
+  def ProbeAnyhow(args, sizes):
+    """(values, whether in the step's graph): eagerly if loss_fn runs so, else (it reads
+    tensors of the step) in the graph; 16-bit floats as float32 if loss_fn takes them."""
+    half = any(x.dtype in (tf.bfloat16, tf.float16) for x in tf.nest.flatten(args)
+               if isinstance(x, tf.Tensor))
+    attempts = [(when_run, widen)
+                for when_run in ((False,) if tf.executing_eagerly() else (False, True))
+                for widen in ((True, False) if half else (False,))]
+    for i, (when_run, widen) in enumerate(attempts):
+      try:
+        with contextlib.nullcontext() if when_run else tf.init_scope():
+          return ProbeValues(args, sizes, widen), when_run
+      except ValueError:  # Call's: loss_fn failed.
+        if i + 1 == len(attempts):
+          raise
 
   def Probe(args):
     # A batch of unknown size is probed with one that num_parts does not divide either.
     sizes = microbatch.Sizes(batch_size if static else 2 * num_parts + 1, num_parts)
-    try:
-      with tf.init_scope():
-        values = ProbeValues(args, sizes)
-      when_run = False
-    except ValueError:  # Call's: loss_fn failed.
-      if tf.executing_eagerly():
-        raise
-      values = ProbeValues(args, sizes)  # It reads tensors of the step: probe in its graph.
-      when_run = True
+    values, when_run = ProbeAnyhow(args, sizes)
     for name, value in _Scalars(values[0]).items():
       parts = [_Scalars(v)[name] for v in values[1:]]
       head = f'schedule={schedule!r} calls loss_fn on each of {num_parts} micro-batches, but its '
@@ -213,16 +239,17 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
                 "sum(weight), or use schedule='gpipe'.")
       message = head + f'{name!r} on a whole batch' + '{} is neither the sum{} nor the mean{} ' \
           'of its micro-batch values: ' + advice
-      untold = (head + f'{name!r} on the probe\'s random outputs is 0 or not finite, so whether '
-                'it is the sum or the mean of its micro-batch values cannot be told: ' + advice)
+      untold = (head + f'{name!r} on the probe\'s random outputs (0, not finite, or as much as '
+                'the sum of its micro-batch values as their mean) cannot tell which of the two it '
+                'is: ' + advice)
       if when_run:
-        is_sum, told, check = _CombinationWhenRun(value, parts, sizes,
+        is_sum, told, check = _CombinationWhenRun(value, parts, sizes, _Tolerance(value),
                                                   message.format('', '', ''))
         rules[name] = (is_sum, told, untold + " (A micro-batch's value is not 0.)")
         checks.append(check)
         continue
       whole, parts = _Floats(value), [_Floats(part) for part in parts]
-      rules[name] = _Combination(whole, parts, sizes)
+      rules[name] = _Combination(whole, parts, sizes, _Tolerance(value))
       if not rules[name]:
         raise ValueError(untold if rules[name] == '' else message.format(
             f' ({whole:.6g})', f' ({np.sum(parts):.6g})',
@@ -235,13 +262,15 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
                  'that num_micro_batches divides.')
       pairs = [_Pairs(v)[name] for v in values[1:]]
       if when_run:
-        checks.append(_WeightedMeanWhenRun(value, pairs, message.format('', '')))
+        checks.append(_WeightedMeanWhenRun(value, pairs, _Tolerance(value),
+                                           message.format('', '')))
         continue
+      tolerance = _Tolerance(value)
       pairs = np.asarray([[_Floats(x) for x in pair] for pair in pairs], np.float64)
       if not np.sum(pairs[:, 1]):
         continue  # No item to weigh in the probe's outputs: the pair's definition stands.
       value, merged = _Floats(value), float(np.sum(pairs[:, 0] * pairs[:, 1]) / np.sum(pairs[:, 1]))
-      if not abs(value - merged) <= 1e-4 * max(abs(value), abs(merged)):
+      if not abs(value - merged) <= tolerance * max(abs(value), abs(merged)):
         raise ValueError(message.format(f' ({value:.6g}, weight {_Floats(weight):.6g})',
                                         f' ({merged:.6g})'))
 
@@ -268,11 +297,11 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
       probed.append(True)
     call_checks = list(checks)
     if isinstance(value, dict):
-      value = type(value)({k: v if _IsPair(v) else Weighted(tf.convert_to_tensor(v), rules[k],
-                                                            args, call_checks)
+      value = type(value)({k: v if _IsPair(v) else Weighted(_FloatScalar(v), rules[k], args,
+                                                            call_checks)
                            for k, v in value.items()})
     elif not _IsPair(value):
-      value = Weighted(tf.convert_to_tensor(value), rules['loss'], args, call_checks)
+      value = Weighted(_FloatScalar(value), rules['loss'], args, call_checks)
     if not call_checks:
       return value
     if isinstance(value, dict):
@@ -280,6 +309,12 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
     return _Guarded(value, call_checks)
 
   return MicroBatchLossFn
+
+
+def _FloatScalar(value):
+  """A bare metric as a float tensor (an int count too: its weight is a fraction)."""
+  value = tf.convert_to_tensor(value)
+  return value if value.dtype.is_floating else tf.cast(value, tf.float32)
 
 
 def _Floats(value):
