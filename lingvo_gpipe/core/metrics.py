@@ -112,7 +112,8 @@ def _Combination(whole, parts, sizes, tolerance):
 def _CombinationWhenRun(whole, parts, sizes, tolerance, message):
   """_Combination of values known only when the step runs: (is_sum, told, check), bool
   tensors: True for 'sum' (else 'mean'); whether the probe's values tell (not all zero, all
-  finite); and whether one of the two holds or they do not tell (`message` if not)."""
+  finite, not the sum and the mean alike); and whether one of the two holds or they do not
+  tell (`message` if not)."""
   whole = tf.cast(whole, tf.float64)
   parts = tf.cast(tf.stack(parts), tf.float64)
   total = tf.reduce_sum(parts)
@@ -181,8 +182,9 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
   more loss_fn calls on the probe's outputs), and a loss that does not merge
   fails the step with the same message (under XLA, which drops assertions, its
   weight is NaN: the step's loss and gradients are NaN). A loss that is 0 or not
-  finite on the probe's outputs cannot be told: refused, or in the step's graph
-  accepted only for micro-batch values that are 0 or not finite too (a scale of 0).
+  finite on the probe's outputs, or its sum and mean alike, cannot be told: refused,
+  or in the step's graph accepted only for micro-batch values that are 0 or not
+  finite too (a scale of 0).
 
   Args:
     loss_fn: the caller's loss function.
