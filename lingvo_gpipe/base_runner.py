@@ -43,7 +43,7 @@ def CheckPipelineBatches(model_params):
   """UserError naming both params if a pipeline of the task cannot split the input's batch."""
   batch_size = InputBatchSize(model_params)
   if batch_size is None:
-    return  # An input without a fixed batch size: the pipeline checks each batch.
+    return  # An input without a fixed batch size: the pipeline takes whatever comes.
   try:
     pipeline_params.CheckBatch(model_params.task, batch_size, 'input.batch_size', 'task')
   except ValueError as e:

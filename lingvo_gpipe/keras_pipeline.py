@@ -38,8 +38,8 @@ Any batch runs: one that num_micro_batches does not divide is split into
 micro-batches that differ by a row (10 examples, M=4: 3, 3, 2, 2), and a batch
 of unknown size at trace time is split when it runs, so fit() takes a partial
 last batch and export() serves a `[None, ...]` signature, one example too. A
-training batch must hold at least num_micro_batches examples, one per
-micro-batch (else an InvalidArgumentError when it runs). With a Keras
+batch smaller than num_micro_batches leaves micro-batches empty, which add
+nothing. With a Keras
 mixed-precision policy (e.g.
 keras.mixed_precision.set_global_policy('mixed_bfloat16')) the layers compute in
 its compute dtype and the weights stay float32; a layer given its own dtype (a
@@ -277,7 +277,10 @@ class PipelineModel(keras.Model):
     """compile()'s loss of (a micro-batch's) outputs, scaled as the optimizer asks (a
     LossScaleOptimizer's scale keeps float16 gradients from underflowing)."""
     y, sample_weight = labels
-    return self.optimizer.scale_loss(self._compile_loss(y, y_pred, sample_weight))
+    loss = self._compile_loss(y, y_pred, sample_weight)
+    if loss.shape.as_list() == [0]:  # Keras's loss of no examples: not reduced, its sum is 0.
+      loss = tf.reduce_sum(loss)
+    return self.optimizer.scale_loss(loss)
 
   def _WithRegularization(self, loss, grads, variables):
     """loss and grads plus those of self.losses (the layers' weight regularizers, which

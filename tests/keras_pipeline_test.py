@@ -201,14 +201,36 @@ def testPartialLastBatchTrainsLikeSequential(sched):
                              ref.predict(x[:7], verbose=0), rtol=1e-5, atol=1e-6)
 
 
-def testALastBatchSmallerThanMIsAClearError():
-  pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=4,
-                                      input_shape=(12,))
-  pipe.compile('sgd', 'mse')
-  x, y = _Data(34)  # Batches of 16, 16 and 2.
-  with pytest.raises(tf.errors.InvalidArgumentError, match='at least num_micro_batches x '
-                     'num_replicas = 4 examples'):
-    pipe.fit(x, y, batch_size=_BATCH, verbose=0)
+@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+def testALastBatchSmallerThanMTrainsLikeSequential(sched):
+  """34 examples in batches of 16, 16 and 2, M=4: the last batch's micro-batches hold 1, 1,
+  0 and 0 examples; with dropout, losses and weights equal the unpipelined model's."""
+  pipe, ref = _WithDropoutAndItsReference(6, num_micro_batches=4, **_Schedule(sched))
+  x, y = _Data(34, seed=6)
+  pipe_losses, ref_losses = _Fit(pipe, x, y), _Fit(ref, x, y)
+  assert len(pipe_losses) == 3
+  np.testing.assert_allclose(pipe_losses, ref_losses, rtol=1e-5)
+  assert _RelativeDifference(pipe.get_weights(), ref.get_weights()) < 1e-5
+
+
+@pytest.mark.parametrize('sched', ['gpipe', 'zb_h1'])
+def testBatchNormOfBatchesSmallerThanMTrainsAsMicroBatchesOfOneRow(sched):
+  """Keras's batch norm normalizes each micro-batch, and its statistics over an empty one
+  are NaN: batches of 2 rows at M=4 train as at M=2, in fit() (a batch size known when the
+  step runs) and in train_on_batch() (known when traced), NaN nowhere."""
+  results = []
+  for m in (2, 4):
+    keras.utils.set_random_seed(3)
+    pipe = keras_pipeline.PipelineModel(_Layers(batch_norm=True, dropout=True),
+                                        input_shape=(12,), num_micro_batches=m,
+                                        **_Schedule(sched))
+    x, y = _Data(10, seed=7)
+    losses = _Fit(pipe, x, y, batch_size=2)
+    losses = np.append(losses, pipe.train_on_batch(x[:2], y[:2]))
+    results.append([losses] + pipe.get_weights())
+  for a, b in zip(*results):
+    assert not np.isnan(a).any()
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def testScheduleAndVirtualStagesAreChecked():

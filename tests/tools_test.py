@@ -172,7 +172,8 @@ def testAPointsOwnErrorIsOneLine():
   assert line.startswith(
       'throughput_benchmark.py: error: schedule=gpipe K=2 M=8 remat=always: A batch of 4 '
       'examples is smaller than num_micro_batches=8: every micro-batch needs at least one '
-      'example. (its traceback: python ') and 'Traceback' not in err, err[-2000:]
+      'example (a configured batch that leaves some empty idles the pipeline every step). (its '
+      'traceback: python ') and 'Traceback' not in err, err[-2000:]
   # The command it names runs that point alone, with its traceback.
   single = line[line.index('--single=') + len("--single='"):-2]
   proc = _Start('throughput_benchmark', f'--single={single}')

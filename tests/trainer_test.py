@@ -294,7 +294,7 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
         '--model_params_override=task.stack.num_micro_batches : 64'],
        'input.batch_size=32 cannot be split by task.stack.num_micro_batches=64: A batch of 32 '
        'examples is smaller than num_micro_batches=64: every micro-batch needs at least one '
-       'example.'),
+       'example (a configured batch that leaves some empty idles the pipeline every step).'),
       ([model, logdir, '--model_params_override=input.num_batches : abc'],
        "cannot parse 'abc' as NoneType (bare word 'abc': quote a string"),
       ([model, logdir, '--model_params_override=task.train.learning_rate : -0.1'],

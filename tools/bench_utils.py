@@ -189,7 +189,10 @@ def _BuiltInStep(tf, config, devices=None, input_device=None):
   from lingvo_gpipe import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import microbatch  # pylint: disable=g-import-not-at-top
   layer_params, shape = LayerParams(config)
+  if config['stages']:  # A configured batch that leaves micro-batches empty measures nothing.
+    microbatch.NumMicroBatches(shape[0], config['micro_batches'])
   where = input_device or (devices[0] if devices else None)
   with tf.device(where) if where else contextlib.nullcontext():
     x = tf.random.stateless_normal(shape, [1, 2])
@@ -225,6 +228,7 @@ def _BuiltInStep(tf, config, devices=None, input_device=None):
 
 
 def _RegisteredStep(tf, config):
+  from lingvo_gpipe import base_runner  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe import model_registry  # pylint: disable=g-import-not-at-top
   params = model_registry.GetParams(config['model'], 'Train')
   stack = params.task.stack
@@ -234,6 +238,7 @@ def _RegisteredStep(tf, config):
             config['micro_batches'], remat='never' if plain else config['remat'],
             schedule='gpipe' if plain else config['schedule'], virtual_stages=v,
             cell_remat_policy='none' if plain else config.get('remat_policy', 'none'))
+  base_runner.CheckPipelineBatches(params)
   task = params.task.Instantiate()
   batch = next(iter(params.input.Instantiate().GetDataset()))
 

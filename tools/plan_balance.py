@@ -135,7 +135,7 @@ def _Profile(tf):
 
 def _MicroBatches(rows, m, micro_batch_size=None, replicas=1):
   """M per replica of a `rows` batch, as the pipeline computes it; exits with the pipeline's
-  own message if they cannot train (fewer rows than micro-batches)."""
+  own message for fewer rows than micro-batches."""
   from lingvo_gpipe.core import microbatch  # pylint: disable=g-import-not-at-top
   try:
     return microbatch.NumMicroBatches(rows, m, micro_batch_size, replicas)

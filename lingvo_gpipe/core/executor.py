@@ -121,9 +121,20 @@ class GradientSum:
       return tf.nest.pack_sequence_as(theta, [s.read_value() for s in self.Variables(theta)])
 
 
-def _Accumulate(total, theta, grads, added):
-  """Adds a chunk's weight gradients to its GradientSum `total`, after the add that made the
-  token `added` (None before the pass's first); returns the token of this add."""
+def _MayBeEmpty(rows):
+  """Whether a micro-batch of `rows` rows (an int, or a tensor known when it runs) may have
+  none: a batch of fewer rows than M leaves micro-batches empty."""
+  return not (isinstance(rows, int) and rows > 0)
+
+
+def _Accumulate(total, theta, grads, added, rows):
+  """Adds a chunk's weight gradients of a micro-batch of `rows` rows to its GradientSum
+  `total`, after the add that made the token `added` (None before the pass's first); returns
+  the token of this add. An empty micro-batch adds zeros: its gradients are 0 but where a
+  layer's statistics over no rows are NaN (0 * NaN in Keras's batch norm)."""
+  if _MayBeEmpty(rows):
+    grads = tf.nest.map_structure(
+        lambda g: tf.where(rows > 0, tf.convert_to_tensor(g), tf.zeros(g.shape, g.dtype)), grads)
   with tf.control_dependencies(_Tokens(added)):
     return total.Add(theta, grads, first=added is None)
 
@@ -264,7 +275,8 @@ class CellFunctions:
       stats.setdefault(layer.path, []).append(layer_stats)
     return out, acts, stats
 
-  def _Backward(self, theta, args, grads_in, added, where, training, clock, arg_grads):
+  def _Backward(self, theta, args, grads_in, added, where, training, clock, arg_grads,
+                may_be_empty):
     with tf.device(self._device), _Context(self._layer, where, training, []):
       with tf.GradientTape(watch_accessed_variables=False) as tape:
         # Watched, an argument's gradient is taken even if not asked for.
@@ -273,10 +285,13 @@ class CellFunctions:
       recomputed = None if clock is None else Stamp(clock, targets)
       d_args, d_theta = _CellGradients(tape, targets, grads_in, args if arg_grads else None,
                                        theta)
-      return d_args, _Accumulate(self.grad_sum, theta, d_theta, added), recomputed
+      rows = where[1] if may_be_empty else 1
+      return d_args, _Accumulate(self.grad_sum, theta, d_theta, added, rows), recomputed
 
-  def _FirstBackward(self, theta, args, grads_in, where, training, clock, arg_grads):
-    return self._Backward(theta, args, grads_in, None, where, training, clock, arg_grads)
+  def _FirstBackward(self, theta, args, grads_in, where, training, clock, arg_grads,
+                     may_be_empty):
+    return self._Backward(theta, args, grads_in, None, where, training, clock, arg_grads,
+                          may_be_empty)
 
   def Forward(self, theta, args, where, training):
     """(outputs, activations, [(layer, stats)]) of the chunk.
@@ -292,10 +307,13 @@ class CellFunctions:
     """(input grads (None without arg_grads), the token of adding the theta grads to
     grad_sum, the time the recompute ended if a clock is given) of the chunk; `added` is the
     token of the pass's last add (None: this is its first)."""
+    may_be_empty = _MayBeEmpty(where[1])
     where = _Variables(where)
     if added is None:
-      return self._first_backward(theta, args, grads_in, where, training, clock, arg_grads)
-    return self._backward(theta, args, grads_in, added, where, training, clock, arg_grads)
+      return self._first_backward(theta, args, grads_in, where, training, clock, arg_grads,
+                                  may_be_empty)
+    return self._backward(theta, args, grads_in, added, where, training, clock, arg_grads,
+                          may_be_empty)
 
 
 def _Variables(where):
@@ -515,7 +533,7 @@ class Pass:
       d_args, d_theta = _CellGradients(tape, targets, grads_in,
                                        args if self._WantsArgGrads(c) else None, self.thetas[c])
       self.theta_grads[c] = _Accumulate(self.functions[c].grad_sum, self.thetas[c], d_theta,
-                                        self.theta_grads[c])
+                                        self.theta_grads[c], self.sizes[m])
       recomputed = None
     else:
       waits = self.tokens[device] + [g for g in tf.nest.flatten(grads_in) if g is not None]
@@ -562,7 +580,7 @@ class Pass:
     # here too, W's outputs show in graphs and traces as W's.
     d_theta = tf.nest.map_structure(tf.identity, d_theta)
     self.theta_grads[c] = _Accumulate(self.functions[c].grad_sum, self.thetas[c], d_theta,
-                                      self.theta_grads[c])
+                                      self.theta_grads[c], self.sizes[m])
     return self._End(device, action, start, self.theta_grads[c])
 
   def ThetaGrads(self):

@@ -271,16 +271,16 @@ class PipeliningLayer(base_layer.BaseLayer):
     """Shares weights among layers built from LayersAndEnds, as the pipeline itself does."""
     del p, layer_list  # Nothing is shared in a plain pipeline.
 
-  def NumMicroBatches(self, batch_size, allow_empty=False):
+  def NumMicroBatches(self, batch_size):
     """M of each replica for a whole batch of `batch_size` rows (None: unknown at trace time).
 
-    M need not divide the rows: micro-batches then differ by a row. A training
-    batch must give every micro-batch of every replica an example; a forward
-    pass (allow_empty) may leave some empty, e.g. to serve one example.
+    M need not divide the rows: micro-batches then differ by a row. A batch of
+    fewer rows than M x replicas (a last partial batch, one example served)
+    leaves micro-batches empty: they run on no rows and add nothing.
     """
     p = self.params
     return microbatch.NumMicroBatches(batch_size, p.num_micro_batches, p.micro_batch_size,
-                                      p.num_replicas, allow_empty)
+                                      p.num_replicas, allow_empty=True)
 
   def GetSchedule(self, batch_size):
     """The schedule a batch of `batch_size` runs; print it to see it."""
@@ -341,7 +341,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     """
     args = self._Before(theta, inputs)
     training = py_utils.CurrentContext().training
-    args, _, num = self._MicroBatching(args, training)
+    _, num = self._MicroBatching(args)
     thetas = self._ChunkThetas(theta)
     if training:
       outputs, acts = self._DifferentiablePipeline(thetas, args, num)
@@ -383,7 +383,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       with_outputs, (loss, grads, outputs).
     """
     args, before_tape = self._BeforeWithTape(theta, executor.AsArgs(inputs))
-    args, rows, num = self._MicroBatching(args, training=True)
+    rows, num = self._MicroBatching(args)
     sched = self._Schedule(num)
     # Only `before` layers take the gradients of the cells' arguments.
     run = executor.Replicas(self, self._ChunkThetas(theta), args, num, self.params.remat,
@@ -423,18 +423,10 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   # -- internals -------------------------------------------------------------------
 
-  def _MicroBatching(self, args, training):
-    """(args, the whole batch's rows (an int, or a tensor if unknown at trace time), M).
-
-    A training batch of unknown size is checked when it runs: args then wait for
-    an assertion that every micro-batch holds an example.
-    """
+  def _MicroBatching(self, args):
+    """(the whole batch's rows (an int, or a tensor if unknown at trace time), M)."""
     rows = microbatch.BatchSize(args, self.params.batch_dim)
-    static = rows if isinstance(rows, int) else None
-    num = self.NumMicroBatches(static, allow_empty=not training)
-    if training and static is None:
-      args = executor.After([microbatch.CheckNotEmpty(rows, num * self.num_replicas)], args)
-    return args, rows, num
+    return rows, self.NumMicroBatches(rows if isinstance(rows, int) else None)
 
   def _Tracer(self):
     """A StepTracer when the context collects step timings, else None."""

@@ -38,13 +38,22 @@ def AsMetrics(value):
 
 
 def MergeMetrics(metrics_list):
-  """Merges (value, weight) metrics of several batches: sum(v * w) / sum(w)."""
+  """Merges (value, weight) metrics of several batches: sum(v * w) / sum(w).
+
+  A value of weight 0 adds nothing, also when it is NaN: the mean over no items of an
+  empty micro-batch.
+  """
   merged = py_utils.NestedMap()
   for name in metrics_list[0]:
     weight = tf.add_n([m[name][1] for m in metrics_list])
-    total = tf.add_n([m[name][0] * m[name][1] for m in metrics_list])
+    total = tf.add_n([_TimesWeight(*m[name]) for m in metrics_list])
     merged[name] = (total / weight, weight)
   return merged
+
+
+def _TimesWeight(value, weight):
+  """value * weight; 0 for a weight of 0, whatever the value (an int cannot be NaN)."""
+  return tf.math.multiply_no_nan(value, weight) if value.dtype.is_floating else value * weight
 
 
 def _IsPair(value):
@@ -231,8 +240,10 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
           raise
 
   def Probe(args):
-    # A batch of unknown size is probed with one that num_parts does not divide either.
-    sizes = microbatch.Sizes(batch_size if static else 2 * num_parts + 1, num_parts)
+    # A batch of unknown size, or of fewer rows than num_parts (whose empty micro-batches
+    # hold nothing to tell a sum from a mean), is probed with one num_parts does not divide.
+    sizes = microbatch.Sizes(batch_size if static and batch_size >= num_parts
+                             else 2 * num_parts + 1, num_parts)
     values, when_run = ProbeAnyhow(args, sizes)
     for name, value in _Scalars(values[0]).items():
       parts = [_Scalars(v)[name] for v in values[1:]]

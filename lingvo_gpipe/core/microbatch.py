@@ -65,9 +65,9 @@ def NumMicroBatches(batch_size, num_micro_batches=1, micro_batch_size=None, num_
   batch_size: the whole batch's rows, or None if unknown at trace time (then
     M must be given as num_micro_batches). micro_batch_size gives M = the
     largest replica part's rows / micro_batch_size, rounded up.
-  allow_empty: whether a batch may leave micro-batches without rows (a forward
-    pass may; a training step's loss and statistics need every micro-batch to
-    hold an example).
+  allow_empty: whether a batch may leave micro-batches without rows (a pipeline
+    runs them on no rows, and they add nothing: a last partial batch, one example
+    served); a configured batch size may not, as its every step would idle in them.
   """
   if micro_batch_size is not None:
     if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
@@ -84,16 +84,9 @@ def NumMicroBatches(batch_size, num_micro_batches=1, micro_batch_size=None, num_
   if batch_size is not None and not allow_empty and batch_size < num * num_replicas:
     replicas = f' x num_replicas={num_replicas}' if num_replicas > 1 else ''
     raise ValueError(f'A batch of {batch_size} examples is smaller than num_micro_batches='
-                     f'{num}{replicas}: every micro-batch needs at least one example.')
+                     f'{num}{replicas}: every micro-batch needs at least one example (a '
+                     'configured batch that leaves some empty idles the pipeline every step).')
   return num
-
-
-def CheckNotEmpty(batch_size, num_parts):
-  """An assertion op (run time) that a tensor batch_size gives each of num_parts an example."""
-  return tf.debugging.assert_greater_equal(
-      batch_size, tf.cast(num_parts, batch_size.dtype),
-      message=f'A training batch must hold at least num_micro_batches x num_replicas = '
-              f'{num_parts} examples, one per micro-batch; the batch size is')
 
 
 def Split(structure, num_parts, batch_dim=0):

@@ -69,16 +69,16 @@ def Recut(p, ends):
 def NumMicroBatches(p, batch_size):
   """M of pipeline params `p` for a whole (training) batch of `batch_size`.
 
-  Raises a ValueError if the batch cannot give every micro-batch of every replica
-  an example; M need not divide the batch (micro-batches then differ by a row).
+  Raises a ValueError if the configured batch does not give every micro-batch of every
+  replica an example; M need not divide the batch (micro-batches then differ by a row).
   """
   return microbatch.NumMicroBatches(batch_size, p.num_micro_batches, p.micro_batch_size,
                                     p.num_replicas)
 
 
 def CheckBatch(params, batch_size, batch_name, path=''):
-  """Raises a ValueError naming both params if a pipeline cannot split the batch: it must
-  hold at least one example per micro-batch of each replica."""
+  """Raises a ValueError naming both params if a pipeline would split the configured batch
+  into empty micro-batches: it must hold an example per micro-batch of each replica."""
   for where, p in Find(params, path):
     try:
       NumMicroBatches(p, batch_size)

@@ -302,7 +302,8 @@ def BatchUniform(layer_seed, step, like):
   shape = tf.gather(tf.shape(like, out_type=tf.int64), perm)
   size = tf.reduce_prod(shape)
   rows = shape[0] if where.size is None else tf.cast(where.size, tf.int64)
-  start = tf.cast(where.offset, tf.int64) * (size // rows)
+  # Floats per example (of a reshaped tensor too); an empty micro-batch draws none.
+  start = tf.cast(where.offset, tf.int64) * (size // tf.maximum(rows, 1))
   skip = start % _FLOATS_PER_COUNTER
   seed = tf.random.experimental.stateless_fold_in(
       tf.constant([int(layer_seed) & 0x7FFFFFFF, 0], tf.int64), tf.cast(step, tf.int64))
@@ -318,10 +319,11 @@ def BatchUniform(layer_seed, step, like):
 
 def CombineMoments(stats_list):
   """NestedMap(mean, variance, count) of the union of batches, each given as such a map
-  (count: the examples each statistic is over); variances are biased, as tf.nn.moments'."""
+  (count: the examples each statistic is over); variances are biased, as tf.nn.moments'.
+  A batch of count 0 (an empty micro-batch, whose moments are NaN) adds nothing."""
   count = tf.add_n([s.count for s in stats_list])
-  mean = tf.add_n([s.count * s.mean for s in stats_list]) / count
-  variance = tf.add_n([s.count * (s.variance + tf.square(s.mean - mean))
+  mean = tf.add_n([tf.math.multiply_no_nan(s.mean, s.count) for s in stats_list]) / count
+  variance = tf.add_n([tf.math.multiply_no_nan(s.variance + tf.square(s.mean - mean), s.count)
                        for s in stats_list]) / count
   return NestedMap(mean=mean, variance=variance, count=count)
 
