@@ -90,3 +90,15 @@ def testABareIntegerMetricMergesAsASum():
   result = metrics.MicroBatchLoss(lambda y: {'loss': tf.reduce_mean(y), 'count': tf.size(y)},
                                   4, 16, 0, '1f1b')(part)
   assert [float(x) for x in result['count']] == [128.0, 0.25]  # (32 x M, 1 / M)
+
+
+def testBatchStatisticsOfAnyOutputMinusAnyTargetAreRefused():
+  """Two outputs and two targets: each tensor's micro-batches follow a slope of their own, so
+  no difference of two of them is the same in every micro-batch (outputs and targets that
+  alternated between two orders left y1 - t1 and y2 - t2 so, and their variance was told as
+  a mean)."""
+  wide = tf.ones([4, 1024])
+  for loss_fn in (lambda y1, y2, t1, t2: tf.math.reduce_variance(y1 - t1),
+                  lambda y1, y2, t1, t2: tf.math.reduce_variance(y2 - t2)):
+    with pytest.raises(ValueError, match='is neither the sum .* nor the mean'):
+      metrics.MicroBatchLoss(loss_fn, 4, 16, 0, '1f1b')(wide, wide, wide, wide)

@@ -63,12 +63,13 @@ def _IsPair(value):
 def _ProbeInput(like, sizes, batch_dim, index, widen):
   """Random values shaped like micro-batch tensor `like` (the index-th of loss_fn's
   flattened tensors), for a batch of micro-batches of `sizes` rows. Micro-batch i of M draws
-  its floats from [i + 0.25, i + 0.75) / M; every other tensor from [j + 0.1, j + 0.4) / M
-  with j = M-1-i, so that an output minus a target still differs between micro-batches
-  and its mean is not 0. Within (0, 1), so logs and roots of outputs and of 1 - outputs
-  (probabilities) stay finite; each micro-batch from a range of its own, so that a loss
-  reading batch statistics (the square of a mean, a variance, centering by the batch's
-  mean) gives a whole-batch value far from any combination of its micro-batch values.
+  its floats from [s i + 0.25, s i + 0.75) / M, every other tensor from [s j + 0.1,
+  s j + 0.4) / M with j = M-1-i, where s = 1 / (1 + index // 2): each tensor's ranges follow
+  a slope of their own, so that any output minus any target still differs between
+  micro-batches and its mean is not 0. Within (0, 1), so logs and roots of outputs and of
+  1 - outputs (probabilities) stay finite; each micro-batch about a center of its own, so
+  that a loss reading batch statistics (the square of a mean, a variance, centering by the
+  batch's mean) gives a whole-batch value far from any combination of its micro-batch values.
   Made by random ops, not a constant: a probe in a step's graph would otherwise hold the
   whole batch's outputs in the graph. With `widen`, 16-bit floats come as float32: their
   rounding would hide a small batch-statistic term."""
@@ -82,10 +83,11 @@ def _ProbeInput(like, sizes, batch_dim, index, widen):
   if not like.dtype.is_floating:
     return tf.zeros(shape, like.dtype)
   parts = len(sizes)
+  slope = 1.0 / (1 + index // 2)
   if index % 2 == 0:
-    offsets, width = np.arange(parts) + 0.25, 0.5
+    offsets, width = slope * np.arange(parts) + 0.25, 0.5
   else:
-    offsets, width = np.arange(parts)[::-1] + 0.1, 0.3
+    offsets, width = slope * np.arange(parts)[::-1] + 0.1, 0.3
   offsets = np.repeat(offsets, sizes).reshape(
       [-1 if d == batch_dim else 1 for d in range(len(shape))])
   dtype = like.dtype if like.dtype == tf.float64 or not widen else tf.float32
