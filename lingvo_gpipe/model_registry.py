@@ -25,7 +25,9 @@ Lookups import the params first, so nobody has to import them by hand:
   * the directories or dotted module names listed, separated by os.pathsep, in
     the environment variable LINGVO_GPIPE_PARAMS;
   * anything passed to ImportParams().
-Importing is idempotent, so the same params may be named several times.
+Importing is idempotent, so the same params may be named several times. A
+params file that fails to import costs only its own models: a lookup of another
+key warns of it and goes on; a lookup of a key of that file raises its error.
 """
 
 import difflib
@@ -36,6 +38,8 @@ import os
 import pkgutil
 import sys
 
+from absl import logging
+
 from lingvo_gpipe import base_model_params
 from lingvo_gpipe.core import hyperparams
 
@@ -44,6 +48,8 @@ _PROJECT_PARAMS = 'lingvo_gpipe.params'
 
 # Key -> registered SingleTaskModelParams subclass.
 _REGISTRY = {}
+# Import errors of params files already warned of.
+_WARNED = set()
 
 
 def _FileOf(cls):
@@ -114,12 +120,23 @@ def _ImportModule(name):
                       f'{type(e).__name__}: {e}', name=name, path=spec.origin) from e
 
 
-def _ImportModuleTree(name):
-  """Imports module `name` and, if it is a package, every module below it."""
+def _Collect(errors, import_fn, *args):
+  """import_fn(*args); its ImportError is appended to `errors` if that is a list, else raised."""
+  try:
+    import_fn(*args)
+  except ImportError as e:
+    if errors is None:
+      raise
+    errors.append(e)
+
+
+def _ImportModuleTree(name, errors=None):
+  """Imports module `name` and, if it is a package, every module below it; a module that
+  fails stops the import, or with a list `errors`, is appended to it and skipped."""
   module = _ImportModule(name)
   if hasattr(module, '__path__'):
     for info in pkgutil.iter_modules(module.__path__, name + '.'):
-      _ImportModuleTree(info.name)
+      _Collect(errors, _ImportModuleTree, info.name, errors)
 
 
 def _ImportFile(root, package, path):
@@ -144,7 +161,7 @@ def _ImportFile(root, package, path):
                       name=name, path=path) from e
 
 
-def _ImportDirectory(directory):
+def _ImportDirectory(directory, errors=None):
   root = os.path.realpath(directory)
   # A module name unique to the directory, so it cannot shadow or be shadowed by
   # installed packages and a second import of the directory is a no-op. Its last
@@ -155,49 +172,72 @@ def _ImportDirectory(directory):
     dirnames[:] = sorted(d for d in dirnames if not d.startswith('.'))
     for filename in sorted(filenames):
       if filename.endswith('.py'):
-        _ImportFile(root, package, os.path.join(dirpath, filename))
+        _Collect(errors, _ImportFile, root, package, os.path.join(dirpath, filename))
 
 
-def ImportParams(path_or_module_name):
+def ImportParams(path_or_module_name, errors=None):
   """Imports the experiments of a params directory or a (dotted) module or package.
 
   A directory's .py files are imported by path, each under a module name unique
   to the directory (so they are no package: they cannot import each other
-  relatively); a package is imported with every module below it.
+  relatively); a package is imported with every module below it. A file that
+  fails to import raises its ImportError, or, given a list `errors`, is appended
+  to it while the other files are imported.
   """
   source = os.fspath(path_or_module_name)
   if os.path.isdir(source):
-    _ImportDirectory(source)
+    _ImportDirectory(source, errors)
   elif source and all(part.isidentifier() for part in source.split('.')):
-    _ImportModuleTree(source)
+    _Collect(errors, _ImportModuleTree, source, errors)
   else:
     raise ValueError(f'Params source {source!r} is neither a directory nor a dotted '
                      'module name.')
 
 
 def _Discover():
-  """Imports the project's params and those named by the environment variable."""
-  _ImportModuleTree(_PROJECT_PARAMS)
+  """Imports the project's params and those named by the environment variable; returns the
+  ImportErrors of the params files that failed (the others are imported all the same)."""
+  errors = []
+  _ImportModuleTree(_PROJECT_PARAMS, errors)
   for source in os.environ.get(ENV_VAR, '').split(os.pathsep):
     if source:
       try:
-        ImportParams(source)
+        ImportParams(source, errors)
       except ValueError as e:
         raise ValueError(f'{ENV_VAR}: {e}') from None
+  return errors
+
+
+def _WarnOf(errors):
+  """Warns once per process of each params file's import error."""
+  for e in errors:
+    if str(e) not in _WARNED:
+      _WARNED.add(str(e))
+      logging.warning('%s; its models are not registered.', e)
 
 
 # -- lookups --------------------------------------------------------------------
 
 
 def GetAllRegisteredKeys():
-  """Sorted keys of every registered experiment."""
-  _Discover()
+  """Sorted keys of every registered experiment (a params file that fails to import is
+  warned of)."""
+  _WarnOf(_Discover())
   return sorted(_REGISTRY)
 
 
 def GetClass(key):
-  """The SingleTaskModelParams subclass registered under `key`."""
-  _Discover()
+  """The SingleTaskModelParams subclass registered under `key`.
+
+  A params file that failed to import is warned of, or raises its ImportError if it
+  would have registered `key` (its module name ends in the key's `<domain>.<file>`).
+  """
+  errors = _Discover()
+  module = str(key).rpartition('.')[0]
+  own = [e for e in errors if module and f'.{e.name}'.endswith(f'.{module}')]
+  if own:
+    raise own[0]
+  _WarnOf(errors)
   if key not in _REGISTRY:
     close = difflib.get_close_matches(str(key), list(_REGISTRY), n=5, cutoff=0.5)
     hint = (f'Closest registered keys: {", ".join(close)}.' if close else

@@ -217,19 +217,29 @@ def testGetParamsSetsInputAndReturnsADeepCopy(tmp_path):
   assert again.train.max_steps != 1
 
 
-def testBrokenParamsFileNamesTheFileAndTheError(tmp_path, monkeypatch):
+def testBrokenParamsFileNamesTheFileAndTheError(tmp_path, monkeypatch, caplog):
+  """A key of a broken file raises the file's error; other keys, of the same directory too,
+  are found with a warning naming it."""
   broken = _Write(tmp_path, 'mt/broken.py', "raise RuntimeError('boom')\n")
+  _WriteModel(tmp_path, 'mt/zfine.py', 'Fine')  # Imported after the broken file.
   monkeypatch.setenv(model_registry.ENV_VAR, str(tmp_path))
-  with pytest.raises(ImportError, match=re.escape(
-      f'Params file {broken} failed to import: RuntimeError: boom')) as e:
-    model_registry.GetAllRegisteredKeys()
+  message = f'Params file {broken} failed to import: RuntimeError: boom'
+  with pytest.raises(ImportError, match=re.escape(message)) as e:
+    model_registry.GetClass('mt.broken.Fixed')
   assert isinstance(e.value.__cause__, RuntimeError)
+  assert model_registry.GetClass('mt.zfine.Fine').__name__ == 'Fine'
+  assert 'mt.zfine.Fine' in model_registry.GetAllRegisteredKeys()
+  assert model_registry.GetParams('lm.synthetic.GPipeTransformerLmTiny', 'Train').task
+  assert f'{message}; its models are not registered.' in caplog.text
   _Write(tmp_path, 'mt/broken.py', 'def Oops(:\n')
   with pytest.raises(ImportError, match=re.escape(f'Params file {broken} failed to import: '
                                                   'SyntaxError')):
-    model_registry.GetAllRegisteredKeys()
+    model_registry.GetClass('mt.broken.Fixed')
+  with pytest.raises(LookupError, match="No model is registered under key 'mt.other.Fixed'"):
+    model_registry.GetClass('mt.other.Fixed')
   _WriteModel(tmp_path, 'mt/broken.py', 'Fixed')  # Fixing the file is enough: nothing cached.
   assert 'mt.broken.Fixed' in model_registry.GetAllRegisteredKeys()
+  assert model_registry.GetClass('mt.broken.Fixed').__name__ == 'Fixed'
 
 
 def testBrokenPackageByModuleName(_PackageOnPath):
