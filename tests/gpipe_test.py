@@ -955,6 +955,28 @@ def testLabelsAreSplitAsTheInputsAndOutputsAreReturned(sched):
   _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
 
 
+@pytest.mark.parametrize('sched', ['gpipe', '1f1b', 'zb_h1'])
+def testAMicroBatchOfWeightZeroAddsNothingEvenWhenItsValueIsNaN(sched):
+  """A (value, weight) loss of weighted rows, 0 / 0 on a micro-batch whose rows all weigh 0
+  (padding, say): its value and its gradient are NaN, yet the whole batch's are not, and
+  neither are the pipeline's."""
+  pipe = _UnevenPipe(sched, 'always')
+  x = _Input()[:10]
+  labels = (tf.reverse(x, [0]), tf.constant([1.0] * 8 + [0.0] * 2))  # Micro-batch 3: 0, 0.
+
+  def PairLoss(y, labels):
+    targets, weights = labels
+    total = tf.reduce_sum(weights)
+    return tf.reduce_sum(weights[:, None] * tf.square(y - targets)) / total, total
+
+  ref_loss, ref_grads = _UnevenReference(pipe, x, lambda y: PairLoss(y, labels))
+  with py_utils.Context(step=7):
+    loss, grads = pipe.ForwardBackward(pipe.theta, x, PairLoss, labels=labels)
+  assert _RelErr(loss, ref_loss[0]) <= 1e-5
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+  _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
+
+
 def testUnevenMicroBatchesRefuseAPairWhoseWeightDoesNotCountItsItems():
   pipe = _UnevenPipe('1f1b', 'always')
   with pytest.raises(ValueError, match=r"uneven sizes \[3, 3, 2, 2\], but its 'loss' "

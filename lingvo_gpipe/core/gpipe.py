@@ -486,7 +486,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     return [microbatch.Split(part, num, batch_dim) for part in parts]
 
   def _LossGradients(self, loss_fn, outputs, acts, labels=None):
-    """loss_fn's metrics and the gradients of value * weight of their loss."""
+    """loss_fn's metrics and the gradients of value * weight of their loss: 0 for a weight
+    of 0, also where the value is NaN (a mean over no items: an empty micro-batch, or one
+    whose rows all weigh 0), as a whole batch holding them would have it."""
     floats = [x for x in tf.nest.flatten((outputs, acts)) if executor.IsFloatTensor(x)]
     with tf.GradientTape() as tape:
       tape.watch(floats)
@@ -496,8 +498,9 @@ class PipeliningLayer(base_layer.BaseLayer):
       metrics = metrics_lib.AsMetrics(value)
       loss, weight = metrics.loss
       weighted = loss * tf.stop_gradient(weight)
-    grads = iter(tape.gradient(weighted, floats,
-                               unconnected_gradients=tf.UnconnectedGradients.ZERO))
+    grads = tape.gradient(weighted, floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    weighs = tf.not_equal(weight, 0)
+    grads = iter(tf.where(weighs, g, tf.zeros_like(g)) for g in map(tf.convert_to_tensor, grads))
     d_outputs, d_acts = tf.nest.map_structure(
         lambda x: next(grads) if executor.IsFloatTensor(x) else None, (outputs, acts))
     return (metrics, isinstance(value, dict)), d_outputs, d_acts
