@@ -788,8 +788,10 @@ def testAMicroBatchScheduleRefusesALossThatDoesNotDecompose():
 @pytest.mark.parametrize('sched', [n for n in schedule.SCHEDULE_NAMES if n != 'gpipe'])
 def testALossReadingATensorOfTheStepEqualsThePlainModel(sched):
   """A loss scaled by a tensor computed in the traced step (it cannot run in the eager probe):
-  a mean on 16 rows, a sum and a (value, weight) pair on 10 (micro-batches 3, 3, 2, 2), in
-  tf.function, equal plain TF at a scale of 3 and of 0 (checked when the step runs)."""
+  a mean on 16 and on 3 rows (one micro-batch empty), a sum and a (value, weight) pair on 10
+  (micro-batches 3, 3, 2, 2), in tf.function, equal plain TF at a scale of 3 and of 0 (checked
+  when the step runs; at 0 the probe cannot tell a sum from a mean: the empty micro-batch's
+  NaN, 0 times a mean over no rows, made the loss NaN)."""
   pipe = _Pipe(2, 4, sched=sched)
   scale = tf.Variable(2.0)
   losses = {'mean': lambda y, s: tf.reduce_mean(tf.square(y - 0.5)) * s,
@@ -797,7 +799,7 @@ def testALossReadingATensorOfTheStepEqualsThePlainModel(sched):
             'pair': lambda y, s: {'loss': (tf.reduce_mean(tf.square(y - 0.5)) * s,
                                            tf.cast(tf.shape(y)[0], tf.float32)),
                                   'one': (tf.ones([], tf.int32), tf.shape(y)[0])}}  # An int.
-  for name, rows in (('mean', BATCH), ('sum', 10), ('pair', 10)):
+  for name, rows in (('mean', BATCH), ('mean', 3), ('sum', 10), ('pair', 10)):
     loss_fn = losses[name]
     x = _Input()[:rows]
 

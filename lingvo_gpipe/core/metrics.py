@@ -169,7 +169,7 @@ def _Guarded(pair, checks):
   return value, tf.where(holds, weight, tf.constant(np.nan, value.dtype))
 
 
-def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
+class MicroBatchLoss:
   """loss_fn for a schedule that calls it on each of num_parts micro-batches alone.
 
   Micro-batch (value, weight) metrics merge as sum(value * weight) / sum(weight)
@@ -204,28 +204,67 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
     batch_dim: the batch dimension of loss_fn's arguments.
     schedule: the schedule's name, for messages.
   """
-  rules = {}  # Name -> 'sum', 'mean' or, known when the step runs, (is_sum, told, message).
-  checks = []  # _Checks of a probe in the step's graph, guarding every micro-batch's metrics.
-  probed = []
-  static = isinstance(batch_size, int)
-  uneven = not static or batch_size % num_parts != 0
 
-  def Call(*args):
+  def __init__(self, loss_fn, num_parts, batch_size, batch_dim, schedule):
+    self._loss_fn = loss_fn
+    self._num_parts = num_parts
+    self._batch_size = batch_size
+    self._batch_dim = batch_dim
+    self._schedule = schedule
+    self._static = isinstance(batch_size, int)
+    self._uneven = not self._static or batch_size % num_parts != 0
+    # Name -> 'sum', 'mean' or, known when the step runs, (is_sum, told, message).
+    self._rules = {}
+    # _Checks of a probe in the step's graph, guarding every micro-batch's metrics.
+    self._checks = []
+    self._probed = False
+
+  def __call__(self, *args):
+    value = self._Call(*args)
+    AsMetrics(value)  # A ValueError unless its metrics are scalars or (value, weight) pairs.
+    if not self._probed and (_Scalars(value) or self._uneven):
+      self._Probe(args)
+      self._probed = True
+    checks = list(self._checks)
+
+    def Weighted(name, metric):
+      return metric if _IsPair(metric) else self._Weighted(
+          _FloatScalar(metric), self._rules[name], args, checks)
+
+    if isinstance(value, dict):
+      value = type(value)({k: Weighted(k, v) for k, v in value.items()})
+    else:
+      value = Weighted('loss', value)
+    if not checks:
+      return value
+    if isinstance(value, dict):
+      return type(value)({k: _Guarded(v, checks) for k, v in value.items()})
+    return _Guarded(value, checks)
+
+  def _Call(self, *args):
     try:
-      return loss_fn(*args)
+      return self._loss_fn(*args)
     except (ValueError, TypeError, tf.errors.OpError) as e:
-      raise ValueError(f'schedule={schedule!r} calls loss_fn on each micro-batch\'s outputs '
-                       'alone (a loss must read nothing but them), and it failed on them: '
-                       f'{e}') from None
+      raise ValueError(f'schedule={self._schedule!r} calls loss_fn on each micro-batch\'s '
+                       'outputs alone (a loss must read nothing but them), and it failed on '
+                       f'them: {e}') from None
 
-  def ProbeValues(args, sizes, widen):
-    index = itertools.count()
-    whole = tf.nest.map_structure(
-        lambda x: _ProbeInput(x, sizes, batch_dim, next(index), widen)
-        if isinstance(x, tf.Tensor) else x, args)
-    return [Call(*part) for part in [whole] + microbatch.Split(whole, num_parts, batch_dim)]
+  # -- the probe -----------------------------------------------------------------------
 
-  def ProbeAnyhow(args, sizes):
+  def _Probe(self, args):
+    """Sets the rule of each bare scalar; refuses a loss that does not merge."""
+    # A batch of unknown size, or of fewer rows than num_parts (whose empty micro-batches
+    # hold nothing to tell a sum from a mean), is probed with one num_parts does not divide.
+    size = self._batch_size
+    sizes = microbatch.Sizes(size if self._static and size >= self._num_parts
+                             else 2 * self._num_parts + 1, self._num_parts)
+    values, when_run = self._ProbeAnyhow(args, sizes)
+    for name, value in _Scalars(values[0]).items():
+      self._ProbeScalar(name, value, [_Scalars(v)[name] for v in values[1:]], sizes, when_run)
+    for name, pair in (_Pairs(values[0]) if self._uneven else {}).items():
+      self._ProbePair(name, pair, [_Pairs(v)[name] for v in values[1:]], sizes, when_run)
+
+  def _ProbeAnyhow(self, args, sizes):
     """(values, whether in the step's graph): eagerly if loss_fn runs so, else (it reads
     tensors of the step) in the graph; 16-bit floats as float32 if loss_fn takes them."""
     half = any(x.dtype in (tf.bfloat16, tf.float16) for x in tf.nest.flatten(args)
@@ -236,94 +275,89 @@ def MicroBatchLoss(loss_fn, num_parts, batch_size, batch_dim, schedule):
     for i, (when_run, widen) in enumerate(attempts):
       try:
         with contextlib.nullcontext() if when_run else tf.init_scope():
-          return ProbeValues(args, sizes, widen), when_run
-      except ValueError:  # Call's: loss_fn failed.
+          return self._ProbeValues(args, sizes, widen), when_run
+      except ValueError:  # _Call's: loss_fn failed.
         if i + 1 == len(attempts):
           raise
 
-  def Probe(args):
-    # A batch of unknown size, or of fewer rows than num_parts (whose empty micro-batches
-    # hold nothing to tell a sum from a mean), is probed with one num_parts does not divide.
-    sizes = microbatch.Sizes(batch_size if static and batch_size >= num_parts
-                             else 2 * num_parts + 1, num_parts)
-    values, when_run = ProbeAnyhow(args, sizes)
-    for name, value in _Scalars(values[0]).items():
-      parts = [_Scalars(v)[name] for v in values[1:]]
-      head = f'schedule={schedule!r} calls loss_fn on each of {num_parts} micro-batches, but its '
-      advice = ('return (value, weight) pairs, which merge as sum(value * weight) / '
-                "sum(weight), or use schedule='gpipe'.")
-      message = head + f'{name!r} on a whole batch' + '{} is neither the sum{} nor the mean{} ' \
-          'of its micro-batch values: ' + advice
-      untold = (head + f'{name!r} on the probe\'s random outputs (0, not finite, or as much as '
-                'the sum of its micro-batch values as their mean) cannot tell which of the two it '
-                'is: ' + advice)
-      if when_run:
-        is_sum, told, check = _CombinationWhenRun(value, parts, sizes, _Tolerance(value),
-                                                  message.format('', '', ''))
-        rules[name] = (is_sum, told, untold + " (A micro-batch's value is not 0.)")
-        checks.append(check)
-        continue
-      whole, parts = _Floats(value), [_Floats(part) for part in parts]
-      rules[name] = _Combination(whole, parts, sizes, _Tolerance(value))
-      if not rules[name]:
-        raise ValueError(untold if rules[name] == '' else message.format(
-            f' ({whole:.6g})', f' ({np.sum(parts):.6g})',
-            f' ({np.average(parts, weights=sizes):.6g})'))
-    for name, (value, weight) in (_Pairs(values[0]) if uneven else {}).items():
-      message = (f'schedule={schedule!r} calls loss_fn on each of {num_parts} micro-batches of '
-                 f'uneven sizes {sizes}, but its {name!r} (value, weight) on a whole batch'
-                 '{} is not the weighted mean{} of its micro-batch values: the weight must '
-                 "count the items the value is a mean over; or use schedule='gpipe', or a batch "
-                 'that num_micro_batches divides.')
-      pairs = [_Pairs(v)[name] for v in values[1:]]
-      if when_run:
-        checks.append(_WeightedMeanWhenRun(value, pairs, _Tolerance(value),
-                                           message.format('', '')))
-        continue
-      tolerance = _Tolerance(value)
-      pairs = np.asarray([[_Floats(x) for x in pair] for pair in pairs], np.float64)
-      if not np.sum(pairs[:, 1]):
-        continue  # No item to weigh in the probe's outputs: the pair's definition stands.
-      value, merged = _Floats(value), float(np.sum(pairs[:, 0] * pairs[:, 1]) / np.sum(pairs[:, 1]))
-      if not abs(value - merged) <= tolerance * max(abs(value), abs(merged)):
-        raise ValueError(message.format(f' ({value:.6g}, weight {_Floats(weight):.6g})',
-                                        f' ({merged:.6g})'))
+  def _ProbeValues(self, args, sizes, widen):
+    """loss_fn's values on random outputs of a whole batch, then of its micro-batches."""
+    index = itertools.count()
+    whole = tf.nest.map_structure(
+        lambda x: _ProbeInput(x, sizes, self._batch_dim, next(index), widen)
+        if isinstance(x, tf.Tensor) else x, args)
+    parts = microbatch.Split(whole, self._num_parts, self._batch_dim)
+    return [self._Call(*part) for part in [whole] + parts]
 
-  def Weighted(value, rule, args, call_checks):
-    def Total():
-      return (value * num_parts, tf.constant(1.0 / num_parts, value.dtype))
+  def _ProbeScalar(self, name, value, parts, sizes, when_run):
+    head = (f'schedule={self._schedule!r} calls loss_fn on each of {self._num_parts} '
+            'micro-batches, but its ')
+    advice = ('return (value, weight) pairs, which merge as sum(value * weight) / '
+              "sum(weight), or use schedule='gpipe'.")
+    message = head + f'{name!r} on a whole batch' + '{} is neither the sum{} nor the mean{} ' \
+        'of its micro-batch values: ' + advice
+    untold = (head + f'{name!r} on the probe\'s random outputs (0, not finite, or as much as '
+              'the sum of its micro-batch values as their mean) cannot tell which of the two it '
+              'is: ' + advice)
+    if when_run:
+      is_sum, told, check = _CombinationWhenRun(value, parts, sizes, _Tolerance(value),
+                                                message.format('', '', ''))
+      self._rules[name] = (is_sum, told, untold + " (A micro-batch's value is not 0.)")
+      self._checks.append(check)
+      return
+    whole, parts = _Floats(value), [_Floats(part) for part in parts]
+    self._rules[name] = _Combination(whole, parts, sizes, _Tolerance(value))
+    if not self._rules[name]:
+      raise ValueError(untold if self._rules[name] == '' else message.format(
+          f' ({whole:.6g})', f' ({np.sum(parts):.6g})',
+          f' ({np.average(parts, weights=sizes):.6g})'))
 
-    def Mean():
-      rows = microbatch.BatchSize(args, batch_dim)
-      return (value, tf.cast(rows, value.dtype) / tf.cast(batch_size, value.dtype))
+  def _ProbePair(self, name, pair, parts, sizes, when_run):
+    value, weight = pair
+    message = (f'schedule={self._schedule!r} calls loss_fn on each of {self._num_parts} '
+               f'micro-batches of uneven sizes {sizes}, but its {name!r} (value, weight) on a '
+               'whole batch{} is not the weighted mean{} of its micro-batch values: the weight '
+               "must count the items the value is a mean over; or use schedule='gpipe', or a "
+               'batch that num_micro_batches divides.')
+    tolerance = _Tolerance(value)
+    if when_run:
+      self._checks.append(_WeightedMeanWhenRun(value, parts, tolerance, message.format('', '')))
+      return
+    parts = np.asarray([[_Floats(x) for x in part] for part in parts], np.float64)
+    if not np.sum(parts[:, 1]):
+      return  # No item to weigh in the probe's outputs: the pair's definition stands.
+    value, merged = _Floats(value), float(np.sum(parts[:, 0] * parts[:, 1]) / np.sum(parts[:, 1]))
+    if not abs(value - merged) <= tolerance * max(abs(value), abs(merged)):
+      raise ValueError(message.format(f' ({value:.6g}, weight {_Floats(weight):.6g})',
+                                      f' ({merged:.6g})'))
 
-    if isinstance(rule, str):
-      return Total() if rule == 'sum' else Mean()
-    is_sum, told, untold = rule  # Known when the step runs.
+  # -- merging -------------------------------------------------------------------------
+
+  def _Weighted(self, value, rule, args, checks):
+    """A micro-batch's bare scalar as (value, weight) by its rule; a rule known only when
+    the step runs adds its check to `checks`."""
+    if rule == 'sum':
+      return self._Sum(value, args)
+    if rule == 'mean':
+      return self._Mean(value, args)
+    is_sum, told, untold = rule
     # A probe that cannot tell is fine for a value that is 0 (a scale of 0) or not finite.
-    call_checks.append(_Check(told | tf.equal(value, 0) | ~tf.math.is_finite(value), untold))
-    return tuple(tf.where(is_sum, t, m) for t, m in zip(Total(), Mean()))
+    checks.append(_Check(told | tf.equal(value, 0) | ~tf.math.is_finite(value), untold))
+    return tuple(tf.where(is_sum, t, m) for t, m in zip(self._Sum(value, args),
+                                                          self._Mean(value, args)))
 
-  def MicroBatchLossFn(*args):
-    value = Call(*args)
-    AsMetrics(value)  # A ValueError unless its metrics are scalars or (value, weight) pairs.
-    if not probed and (_Scalars(value) or uneven):
-      Probe(args)
-      probed.append(True)
-    call_checks = list(checks)
-    if isinstance(value, dict):
-      value = type(value)({k: v if _IsPair(v) else Weighted(_FloatScalar(v), rules[k], args,
-                                                            call_checks)
-                           for k, v in value.items()})
-    elif not _IsPair(value):
-      value = Weighted(_FloatScalar(value), rules['loss'], args, call_checks)
-    if not call_checks:
-      return value
-    if isinstance(value, dict):
-      return type(value)({k: _Guarded(v, call_checks) for k, v in value.items()})
-    return _Guarded(value, call_checks)
+  def _Sum(self, value, args):
+    """A sum over the batch: the micro-batch's value times M, weighing 1 / M; 0 for a
+    micro-batch without rows, whatever loss_fn made of them (0 times a mean over none)."""
+    rows = microbatch.BatchSize(args, self._batch_dim)
+    if not (isinstance(rows, int) and rows > 0):
+      value = tf.where(rows > 0, value, tf.zeros_like(value))
+    return value * self._num_parts, tf.constant(1.0 / self._num_parts, value.dtype)
 
-  return MicroBatchLossFn
+  def _Mean(self, value, args):
+    """A mean over the batch's rows: weighing the micro-batch's share of them."""
+    rows = microbatch.BatchSize(args, self._batch_dim)
+    return value, tf.cast(rows, value.dtype) / tf.cast(self._batch_size, value.dtype)
 
 
 def _FloatScalar(value):
