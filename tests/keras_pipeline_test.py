@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe import keras_pipeline
+from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import schedule
 
 _STEPS, _BATCH = 20, 16
@@ -70,8 +71,9 @@ def testTrainingEqualsSequentialWithBatchNorm():
 
 
 class _ReferenceDropout(keras.layers.Layer):
-  """Dropout whose mask plain TensorFlow draws over the whole batch from (seed, step):
-  the numbers KerasLayer's micro-batches claim to draw their parts of."""
+  """Dropout whose mask is drawn over the whole batch at once from (seed, step): the noise
+  KerasLayer's micro-batches claim to draw their parts of (py_utils_test checks the noise's
+  numbers against numpy)."""
 
   def __init__(self, rate, seed, step_fn):
     super().__init__()
@@ -80,9 +82,7 @@ class _ReferenceDropout(keras.layers.Layer):
   def call(self, x, training=False):
     if not training:
       return x
-    seed = tf.random.experimental.stateless_fold_in(
-        tf.constant([self._seed, 0], tf.int64), tf.cast(self._step_fn(), tf.int64))
-    keep = tf.random.stateless_uniform(tf.shape(x), seed, alg='philox') < 1 - self._rate
+    keep = py_utils.BatchUniform(self._seed, self._step_fn(), x) < 1 - self._rate
     return tf.where(keep, x / (1 - self._rate), 0.0)
 
 

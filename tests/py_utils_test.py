@@ -109,11 +109,24 @@ def testContextIsScoped():
   assert py_utils.CurrentContext().training
 
 
+def _NumpyMix(x):
+  """The 32-bit avalanche BatchUniform's hash is made of, in numpy's uint32 arithmetic."""
+  x = np.asarray(x, np.uint32)
+  with np.errstate(over='ignore'):  # Products wrap modulo 2^32, as intended.
+    for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+      x = (x ^ (x >> np.uint32(shift))) * np.uint32(factor)
+  return x ^ (x >> np.uint32(16))
+
+
 def _WholeBatchNoise(seed, step, shape):
-  """The reference: tf.random.stateless_uniform over the whole batch, batch first."""
-  pair = tf.random.experimental.stateless_fold_in(tf.constant([seed, 0], tf.int64),
-                                                  tf.constant(step, tf.int64))
-  return tf.random.stateless_uniform(shape, pair).numpy()
+  """The reference: the hash of (seed, step, position) of each float of the whole batch,
+  batch first, computed in numpy."""
+  positions = np.arange(np.prod(shape), dtype=np.uint64)
+  low, high = positions.astype(np.uint32), (positions >> np.uint64(32)).astype(np.uint32)
+  key = _NumpyMix((seed & 0x7FFFFFFF) ^ 0x9E3779B9)
+  key = _NumpyMix(_NumpyMix(key ^ np.uint32(step & 0xFFFFFFFF)) ^ np.uint32(step >> 32))
+  bits = _NumpyMix(_NumpyMix(low ^ key) ^ high ^ _NumpyMix(key))
+  return ((bits >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)).reshape(shape)
 
 
 @pytest.mark.parametrize('size,num_parts', [(12, 1), (12, 3), (12, 4), (12, 12)])
@@ -149,9 +162,25 @@ def testBatchUniformDependsOnSeedAndStep():
   assert not np.array_equal(draws[0], draws[1])
   assert not np.array_equal(draws[0], draws[2])
   np.testing.assert_array_equal(draws[0], py_utils.BatchUniform(7, tf.constant(3), x))
-  # Large steps stay distinct (integers, never float-carried).
-  assert not np.array_equal(py_utils.BatchUniform(7, 2**24, x),
-                            py_utils.BatchUniform(7, 2**24 + 1, x))
+  # Large steps stay distinct (integers, never float-carried), also beyond 32 bits.
+  for step in (2**24, 2**32):
+    assert not np.array_equal(py_utils.BatchUniform(7, step, x),
+                              py_utils.BatchUniform(7, step + 1, x))
+    np.testing.assert_array_equal(py_utils.BatchUniform(7, step, x),
+                                  _WholeBatchNoise(7, step, [4, 4]))
+
+
+def testBatchUniformIsTheSameUnderXla():
+  """XLA's own stateless random kernels give other numbers than TensorFlow's: the noise's
+  hash is integer arithmetic, the same in both; uniform enough for dropout masks."""
+  x = tf.zeros([64, 1024])
+  compiled = tf.function(lambda x: py_utils.BatchUniform(7, 3, x), jit_compile=True)(x)
+  eager = py_utils.BatchUniform(7, 3, x).numpy()
+  np.testing.assert_array_equal(compiled.numpy(), eager)
+  assert 0.0 <= eager.min() and eager.max() < 1.0
+  assert abs(eager.mean() - 0.5) < 0.005 and abs(eager.var() - 1 / 12) < 0.002
+  histogram, _ = np.histogram(eager, bins=16, range=(0.0, 1.0))
+  assert np.all(np.abs(histogram / eager.size - 1 / 16) < 0.003)
 
 
 def _Scaler(scale, function):

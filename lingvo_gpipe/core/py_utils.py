@@ -277,20 +277,43 @@ def EvalMode():
   return Context(training=False)
 
 
-# Philox, the generator of tf.random.stateless_uniform, makes 4 float32 numbers per
-# counter value, in order; a seed's counter starts at [0, c] (StatelessRandomGetKeyCounter).
-_PHILOX = 1
-_FLOATS_PER_COUNTER = 4
+def _Mix(x):
+  """A bijective avalanche of uint32 tensor x (xor-shifts and odd multiplies): integer ops,
+  which XLA and TensorFlow's kernels compute alike."""
+  for shift, factor in ((16, 0x7FEB352D), (15, 0x846CA68B)):
+    x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(shift, tf.uint32)))
+    x *= tf.constant(factor, tf.uint32)
+  return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(16, tf.uint32)))
+
+
+def _Words(x):
+  """(low, high) 32-bit words of int64 tensor x, as uint32."""
+  low = tf.cast(tf.bitwise.bitwise_and(x, tf.constant(0xFFFFFFFF, tf.int64)), tf.uint32)
+  return low, tf.cast(tf.bitwise.right_shift(x, tf.constant(32, tf.int64)), tf.uint32)
+
+
+def _HashUniform(layer_seed, step, positions):
+  """Uniform [0, 1) float32 numbers, one per int64 position: a hash of (layer_seed, step,
+  position), so any slice of positions gets its numbers alone, the same on every device and
+  under XLA (whose stateless random kernels give other numbers than TensorFlow's)."""
+  xor = tf.bitwise.bitwise_xor
+  step_low, step_high = _Words(tf.cast(step, tf.int64))
+  key = _Mix(tf.constant((int(layer_seed) & 0x7FFFFFFF) ^ 0x9E3779B9, tf.uint32))
+  key = _Mix(xor(_Mix(xor(key, step_low)), step_high))
+  low, high = _Words(positions)
+  bits = _Mix(xor(xor(_Mix(xor(low, key)), high), _Mix(key)))
+  # The top 24 bits: float32 holds them exactly, so no number rounds up to 1.
+  return tf.cast(tf.bitwise.right_shift(bits, tf.constant(8, tf.uint32)), tf.float32) * 2.0**-24
 
 
 def BatchUniform(layer_seed, step, like):
   """Uniform [0, 1) float32 noise shaped like tensor `like`, for the context's BatchSlice.
 
-  The numbers are those of tf.random.stateless_uniform over the whole batch
-  (batch dimension first) at these examples' positions: a micro-batch draws its
-  part of the whole batch's noise, so dropout masks are the same for any number
-  of micro-batches, replicas or stages, and a recomputed forward draws them
-  again. Each (layer_seed, step) gives another stream. `like` must hold the
+  The numbers are _HashUniform's of the floats' positions in the whole batch
+  (batch dimension first): a micro-batch draws its part of the whole batch's
+  noise, so dropout masks are the same for any number of micro-batches,
+  replicas or stages, again in a recomputed forward, and compiled by XLA or
+  not. Each (layer_seed, step) gives another stream. `like` must hold the
   slice's examples along the batch dimension, in batch-major order.
   """
   where = CurrentContext().batch_slice or BatchSlice(0, None)
@@ -304,16 +327,7 @@ def BatchUniform(layer_seed, step, like):
   rows = shape[0] if where.size is None else tf.cast(where.size, tf.int64)
   # Floats per example (of a reshaped tensor too); an empty micro-batch draws none.
   start = tf.cast(where.offset, tf.int64) * (size // tf.maximum(rows, 1))
-  skip = start % _FLOATS_PER_COUNTER
-  seed = tf.random.experimental.stateless_fold_in(
-      tf.constant([int(layer_seed) & 0x7FFFFFFF, 0], tf.int64), tf.cast(step, tf.int64))
-  key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=seed)
-  counter += tf.stack([tf.cast(start // _FLOATS_PER_COUNTER, tf.uint64),
-                       tf.constant(0, tf.uint64)])
-  flat = tf.raw_ops.StatelessRandomUniformV2(
-      shape=tf.reshape(size + skip, [1]), key=key, counter=counter, alg=_PHILOX,
-      dtype=tf.float32)
-  noise = tf.reshape(flat[skip:], shape)
+  noise = tf.reshape(_HashUniform(layer_seed, step, start + tf.range(size)), shape)
   return tf.transpose(noise, tf.argsort(perm)) if where.batch_dim else noise
 
 
