@@ -115,7 +115,7 @@ class PipelineModel(keras.Model):
     cost: how stages are balanced: 'auto' or 'flops' (an estimate per layer,
       KerasLayer.FPropMeta), 'params', 'time' (measured), or per-layer numbers.
     jit_compile: compile each cell's forward and backward step with XLA (a whole
-      train step cannot be: it spans the stages' devices).
+      train step cannot be: it spans the stages' devices); needs remat='always'.
     input_shape: one example's input shape, if `layers` does not give it; else
       the model is built on its first call.
     **kwargs: keras.Model arguments (name, dtype, trainable).

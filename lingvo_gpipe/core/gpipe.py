@@ -133,7 +133,8 @@ class PipeliningLayer(base_layer.BaseLayer):
              'lists R x K devices, replica r stage k at devices[r * K + k].')
     p.Define('jit_compile', False,
              "Compile each cell's forward and backward step with XLA (placement and the "
-             'pipeline between the steps stay outside the compiled functions).')
+             "pipeline between the steps stay outside the compiled functions); needs remat="
+             "'always'. The split B and W steps of zero-bubble schedules run uncompiled.")
     return p
 
   def __init__(self, params):
@@ -148,6 +149,9 @@ class PipeliningLayer(base_layer.BaseLayer):
                        'params per stage.')
     if p.remat not in REMAT_MODES:
       raise ValueError(f'Unknown remat {p.remat!r}; expected one of {list(REMAT_MODES)}.')
+    if p.jit_compile and p.remat != 'always':
+      raise ValueError(f"jit_compile=True needs remat='always', got remat={p.remat!r}: a "
+                       'forward kept for its backward runs on a gradient tape, uncompiled.')
     self.NumStagesOf(p)  # Checks virtual_stages.
     if p.micro_batch_size is not None and p.num_micro_batches != 1:
       raise ValueError(f'Set num_micro_batches ({p.num_micro_batches}) or micro_batch_size '
