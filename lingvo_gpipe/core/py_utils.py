@@ -292,16 +292,19 @@ def _Words(x):
   return low, tf.cast(tf.bitwise.right_shift(x, tf.constant(32, tf.int64)), tf.uint32)
 
 
-def _HashUniform(layer_seed, step, positions):
-  """Uniform [0, 1) float32 numbers, one per int64 position: a hash of (layer_seed, step,
-  position), so any slice of positions gets its numbers alone, the same on every device and
-  under XLA (whose stateless random kernels give other numbers than TensorFlow's)."""
+def _HashUniform(layer_seed, step, start, size):
+  """Uniform [0, 1) float32 numbers of positions start.. start + size - 1 (modulo 2^32): a
+  hash of (layer_seed, step, position), so any slice of positions gets its numbers alone,
+  the same on every device and under XLA (whose stateless random kernels give other numbers
+  than TensorFlow's). One avalanche per number, of the position times an odd multiplier
+  plus an offset, both from the key: another (seed, step) scatters the positions anew."""
   xor = tf.bitwise.bitwise_xor
   step_low, step_high = _Words(tf.cast(step, tf.int64))
   key = _Mix(tf.constant((int(layer_seed) & 0x7FFFFFFF) ^ 0x9E3779B9, tf.uint32))
   key = _Mix(xor(_Mix(xor(key, step_low)), step_high))
-  low, high = _Words(positions)
-  bits = _Mix(xor(xor(_Mix(xor(low, key)), high), _Mix(key)))
+  multiplier = tf.bitwise.bitwise_or(_Mix(key), tf.constant(1, tf.uint32))
+  positions = _Words(start)[0] + tf.cast(tf.range(tf.cast(size, tf.int32)), tf.uint32)
+  bits = _Mix(positions * multiplier + key)
   # The top 24 bits: float32 holds them exactly, so no number rounds up to 1.
   return tf.cast(tf.bitwise.right_shift(bits, tf.constant(8, tf.uint32)), tf.float32) * 2.0**-24
 
@@ -327,7 +330,7 @@ def BatchUniform(layer_seed, step, like):
   rows = shape[0] if where.size is None else tf.cast(where.size, tf.int64)
   # Floats per example (of a reshaped tensor too); an empty micro-batch draws none.
   start = tf.cast(where.offset, tf.int64) * (size // tf.maximum(rows, 1))
-  noise = tf.reshape(_HashUniform(layer_seed, step, start + tf.range(size)), shape)
+  noise = tf.reshape(_HashUniform(layer_seed, step, start, size), shape)
   return tf.transpose(noise, tf.argsort(perm)) if where.batch_dim else noise
 
 
