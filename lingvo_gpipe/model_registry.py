@@ -229,20 +229,22 @@ def GetAllRegisteredKeys():
 def GetClass(key):
   """The SingleTaskModelParams subclass registered under `key`.
 
-  A params file that failed to import is warned of, or raises its ImportError if it
-  would have registered `key` (its module name ends in the key's `<domain>.<file>`).
+  A params file that failed to import is warned of. For a key not registered, a failed
+  file that would have registered it (its module name ends in the key's `<domain>.<file>`)
+  raises its ImportError; else the LookupError names the files that failed.
   """
   errors = _Discover()
-  module = str(key).rpartition('.')[0]
-  own = [e for e in errors if module and f'.{e.name}'.endswith(f'.{module}')]
-  if own:
-    raise own[0]
-  _WarnOf(errors)
   if key not in _REGISTRY:
+    module = str(key).rpartition('.')[0]
+    own = [e for e in errors if module and f'.{e.name}'.endswith(f'.{module}')]
+    if own:
+      raise own[0]
     close = difflib.get_close_matches(str(key), list(_REGISTRY), n=5, cutoff=0.5)
     hint = (f'Closest registered keys: {", ".join(close)}.' if close else
             f'None of the {len(_REGISTRY)} registered keys is close; see GetAllRegisteredKeys().')
-    raise LookupError(f'No model is registered under key {key!r}. {hint}')
+    failed = ''.join(f' {e}.' for e in errors)
+    raise LookupError(f'No model is registered under key {key!r}. {hint}{failed}')
+  _WarnOf(errors)
   return _REGISTRY[key]
 
 

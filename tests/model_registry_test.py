@@ -235,8 +235,13 @@ def testBrokenParamsFileNamesTheFileAndTheError(tmp_path, monkeypatch, caplog):
   with pytest.raises(ImportError, match=re.escape(f'Params file {broken} failed to import: '
                                                   'SyntaxError')):
     model_registry.GetClass('mt.broken.Fixed')
-  with pytest.raises(LookupError, match="No model is registered under key 'mt.other.Fixed'"):
+  with pytest.raises(LookupError, match="No model is registered under key 'mt.other.Fixed'. "
+                     r'.* Params file .*broken.py failed to import: SyntaxError'):
     model_registry.GetClass('mt.other.Fixed')
+  # A broken file of the same <domain>.<file> elsewhere does not hide a registered key.
+  _Write(tmp_path, 'lm/synthetic.py', "raise RuntimeError('boom')\n")
+  assert model_registry.GetClass('lm.synthetic.GPipeTransformerLmTiny').__module__ == (
+      'lingvo_gpipe.params.lm.synthetic')
   _WriteModel(tmp_path, 'mt/broken.py', 'Fixed')  # Fixing the file is enough: nothing cached.
   assert 'mt.broken.Fixed' in model_registry.GetAllRegisteredKeys()
   assert model_registry.GetClass('mt.broken.Fixed').__name__ == 'Fixed'
