@@ -277,10 +277,7 @@ class PipelineModel(keras.Model):
     """compile()'s loss of (a micro-batch's) outputs, scaled as the optimizer asks (a
     LossScaleOptimizer's scale keeps float16 gradients from underflowing)."""
     y, sample_weight = labels
-    loss = self._compile_loss(y, y_pred, sample_weight)
-    if loss.shape.as_list() == [0]:  # Keras's loss of no examples: not reduced, its sum is 0.
-      loss = tf.reduce_sum(loss)
-    return self.optimizer.scale_loss(loss)
+    return self.optimizer.scale_loss(self._compile_loss(y, y_pred, sample_weight))
 
   def _WithRegularization(self, loss, grads, variables):
     """loss and grads plus those of self.losses (the layers' weight regularizers, which

@@ -1,5 +1,7 @@
 """Tests of metrics: merging (value, weight) pairs and the probe of per-micro-batch losses."""
 
+import itertools
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -59,9 +61,9 @@ def testTheProbeInAStepsGraphHoldsNoCopyOfTheOutputs():
   assert graph.graph.as_graph_def().ByteSize() < 10000
   values = graph().numpy()
   assert values.shape == (8, 512, 2048)
-  for m in range(4):  # Micro-batch m's values lie in [m + 0.25, m + 0.75) / 4.
-    part = values[2 * m:2 * m + 2] * 4 - m
-    assert 0.25 <= part.min() and part.max() < 0.75
+  for m in range(4):  # Micro-batch m's values lie within 0.05 of 0.5 + 0.35 (m - 1) / 3.
+    part = values[2 * m:2 * m + 2] - (0.5 + 0.35 * (m - 1) / 3)
+    assert np.abs(part).max() <= 0.05 + 1e-6
 
 
 def testAMeanNearZeroIsToldAsAMeanNotASum():
@@ -92,13 +94,28 @@ def testABareIntegerMetricMergesAsASum():
   assert [float(x) for x in result['count']] == [128.0, 0.25]  # (32 x M, 1 / M)
 
 
-def testBatchStatisticsOfAnyOutputMinusAnyTargetAreRefused():
-  """Two outputs and two targets: each tensor's micro-batches follow a slope of their own, so
-  no difference of two of them is the same in every micro-batch (outputs and targets that
-  alternated between two orders left y1 - t1 and y2 - t2 so, and their variance was told as
-  a mean)."""
-  wide = tf.ones([4, 1024])
-  for loss_fn in (lambda y1, y2, t1, t2: tf.math.reduce_variance(y1 - t1),
-                  lambda y1, y2, t1, t2: tf.math.reduce_variance(y2 - t2)):
-    with pytest.raises(ValueError, match='is neither the sum .* nor the mean'):
-      metrics.MicroBatchLoss(loss_fn, 4, 16, 0, '1f1b')(wide, wide, wide, wide)
+@pytest.mark.parametrize('num_parts,batch', [(2, 8), (3, 7), (4, 16), (8, 8)])
+def testBatchStatisticsOfAnyOutputMinusAnyTargetAreRefused(num_parts, batch):
+  """Two outputs and two targets: the variance and the absolute mean of the difference of
+  any two of them are refused. Each tensor's micro-batches follow a line of its own, and
+  any two lines cross: outputs and targets that alternated between two orders left y1 - t1
+  the same in every micro-batch (its variance was told as a mean), and lines that did not
+  cross kept the sign of a difference (|mean(y1 - t1)| was told as a mean: on micro-batch
+  errors of alternating sign, a loss of 1.0 against the whole batch's 0.0)."""
+  part = tf.ones([batch // num_parts, 1024])
+  for a, b in itertools.combinations(range(4), 2):
+    for statistic in (tf.math.reduce_variance, lambda x: tf.abs(tf.reduce_mean(x))):
+      loss_fn = lambda *ts, a=a, b=b, statistic=statistic: statistic(ts[a] - ts[b])
+      with pytest.raises(ValueError, match='is neither the sum .* nor the mean'):
+        metrics.MicroBatchLoss(loss_fn, num_parts, batch, 0, '1f1b')(part, part, part, part)
+
+
+def testAKerasLossOfAnEmptyMicroBatchWeighsNothing():
+  """3 rows, M=4: Keras returns the loss of the empty micro-batch unreduced (shape (0,));
+  it is 0, of weight 0, and the other micro-batches keep their shares of the batch."""
+  import keras  # pylint: disable=g-import-not-at-top
+  loss_fn = metrics.MicroBatchLoss(keras.losses.MeanSquaredError(), 4, 3, 0, '1f1b')
+  value, weight = loss_fn(tf.ones([1, 8]), tf.zeros([1, 8]))
+  assert (float(value), float(weight)) == (1.0, pytest.approx(1 / 3))
+  value, weight = loss_fn(tf.ones([0, 8]), tf.zeros([0, 8]))
+  assert (float(value), float(weight)) == (0.0, 0.0)

@@ -60,19 +60,30 @@ def _IsPair(value):
   return isinstance(value, (tuple, list))
 
 
+def _ProbeCenters(parts, index):
+  """The centers of the index-th tensor's micro-batch values: on a line through 0.5 at
+  micro-batch (parts - 1) / 3, of slope +-1, +-1/2, +-1/3, ... (even tensors rising, odd
+  falling) times 0.35 / (parts - 1). Any two tensors' lines cross between the first
+  micro-batch and the last: their difference changes sign (so the absolute value of a
+  mean of an output minus a target is not linear on the probe) and varies between
+  micro-batches (so its batch statistics differ from their micro-batch values), yet its
+  mean over the batch is not 0 (so a mean of it is told from a sum)."""
+  slope = (1.0 if index % 2 == 0 else -1.0) / (1 + index // 2)
+  steps = np.arange(parts) - (parts - 1) / 3
+  return 0.5 + 0.35 * slope * steps / max(parts - 1, 1)
+
+
 def _ProbeInput(like, sizes, batch_dim, index, widen):
   """Random values shaped like micro-batch tensor `like` (the index-th of loss_fn's
-  flattened tensors), for a batch of micro-batches of `sizes` rows. Micro-batch i of M draws
-  its floats from [s i + 0.25, s i + 0.75) / M, every other tensor from [s j + 0.1,
-  s j + 0.4) / M with j = M-1-i, where s = 1 / (1 + index // 2): each tensor's ranges follow
-  a slope of their own, so that any output minus any target still differs between
-  micro-batches and its mean is not 0. Within (0, 1), so logs and roots of outputs and of
-  1 - outputs (probabilities) stay finite; each micro-batch about a center of its own, so
-  that a loss reading batch statistics (the square of a mean, a variance, centering by the
-  batch's mean) gives a whole-batch value far from any combination of its micro-batch values.
-  Made by random ops, not a constant: a probe in a step's graph would otherwise hold the
-  whole batch's outputs in the graph. With `widen`, 16-bit floats come as float32: their
-  rounding would hide a small batch-statistic term."""
+  flattened tensors), for a batch of micro-batches of `sizes` rows: micro-batch i's values
+  lie within 0.05 (odd tensors 0.03) of _ProbeCenters(M, index)[i]. Within (0.2, 0.8), so
+  logs and roots of outputs and of 1 - outputs (probabilities) stay finite; each
+  micro-batch about a center of its own, so that a loss reading batch statistics (the
+  square of a mean, a variance, centering by the batch's mean) gives a whole-batch value
+  far from any combination of its micro-batch values. Made by random ops, not a constant:
+  a probe in a step's graph would otherwise hold the whole batch's outputs in the graph.
+  With `widen`, 16-bit floats come as float32: their rounding would hide a small
+  batch-statistic term."""
   shape = like.shape.as_list()
   shape[batch_dim] = sum(sizes)
   if None in shape:
@@ -82,17 +93,12 @@ def _ProbeInput(like, sizes, batch_dim, index, widen):
         "the batch: use schedule='gpipe', or give the outputs a fixed shape (pad them)")
   if not like.dtype.is_floating:
     return tf.zeros(shape, like.dtype)
-  parts = len(sizes)
-  slope = 1.0 / (1 + index // 2)
-  if index % 2 == 0:
-    offsets, width = slope * np.arange(parts) + 0.25, 0.5
-  else:
-    offsets, width = slope * np.arange(parts)[::-1] + 0.1, 0.3
-  offsets = np.repeat(offsets, sizes).reshape(
+  width = 0.1 if index % 2 == 0 else 0.06
+  centers = np.repeat(_ProbeCenters(len(sizes), index), sizes).reshape(
       [-1 if d == batch_dim else 1 for d in range(len(shape))])
   dtype = like.dtype if like.dtype == tf.float64 or not widen else tf.float32
-  values = tf.random.stateless_uniform(shape, [index, 0], 0.0, width, tf.float32)
-  return tf.cast((values + offsets.astype(np.float32)) / parts, dtype)
+  values = tf.random.stateless_uniform(shape, [index, 0], -width / 2, width / 2, tf.float32)
+  return tf.cast(values + centers.astype(np.float32), dtype)
 
 
 # Relative tolerance of the probe's comparisons for a loss value of a 16-bit float: a few
@@ -221,6 +227,8 @@ class MicroBatchLoss:
 
   def __call__(self, *args):
     value = self._Call(*args)
+    if microbatch.StaticBatchSize(args, self._batch_dim) == 0:
+      value = _NoRowsAsZero(value)
     AsMetrics(value)  # A ValueError unless its metrics are scalars or (value, weight) pairs.
     if not self._probed and (_Scalars(value) or self._uneven):
       self._Probe(args)
@@ -358,6 +366,19 @@ class MicroBatchLoss:
     """A mean over the batch's rows: weighing the micro-batch's share of them."""
     rows = microbatch.BatchSize(args, self._batch_dim)
     return value, tf.cast(rows, value.dtype) / tf.cast(self._batch_size, value.dtype)
+
+
+def _NoRowsAsZero(value):
+  """An empty micro-batch's metrics, those of shape (0,) summed: a Keras loss returns its
+  values of no examples unreduced, and their sum, 0, weighs nothing."""
+  def Summed(metric):
+    if _IsPair(metric) or tf.convert_to_tensor(metric).shape.as_list() != [0]:
+      return metric
+    return tf.reduce_sum(metric)
+
+  if isinstance(value, dict):
+    return type(value)({k: Summed(v) for k, v in value.items()})
+  return Summed(value)
 
 
 def _FloatScalar(value):
