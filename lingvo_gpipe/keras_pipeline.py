@@ -46,6 +46,7 @@ its compute dtype and the weights stay float32; a layer given its own dtype (a
 float32 output layer, as Keras advises) computes in that, as in Keras.
 """
 
+import functools
 import warnings
 
 import keras
@@ -257,16 +258,32 @@ class PipelineModel(keras.Model):
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
   def _CheckLossMerges(self):
-    """A loss whose mean counts only some labels (ignore_class) cannot be merged from
-    micro-batches: refused unless the schedule takes the whole batch's loss ('gpipe')."""
+    """A loss that is a mean over some labels (ignore_class) or weighted by the batch's
+    sum of sample weights (reduction='mean_with_sample_weight') cannot be merged from
+    micro-batches: refused unless the schedule takes the whole batch's loss ('gpipe'). Seen
+    on loss objects and functools.partial; a function of your own is not looked into."""
+    if self._whole_batch_loss:
+      return
+    schedule = self._options['schedule']
     for item in tf.nest.flatten(self.loss):
-      ignored = getattr(item, 'ignore_class', None)
-      if ignored is not None and not self._whole_batch_loss:
+      def Option(name, item=item):
+        if isinstance(item, functools.partial):
+          return item.keywords.get(name)
+        return getattr(item, name, None)
+
+      ignored = Option('ignore_class')
+      if ignored is not None:
         raise ValueError(
             f"{self.name}: the loss's ignore_class={ignored} makes it a mean over the labels "
-            f"that are not {ignored}, which schedule={self._options['schedule']!r} cannot merge "
-            "from its micro-batches' losses; use schedule='gpipe', or a loss that returns "
-            'per-example values with sample weights that are 0 for those labels.')
+            f"that are not {ignored}, which schedule={schedule!r} cannot merge from its "
+            "micro-batches' losses; use schedule='gpipe', or a loss that returns per-example "
+            'values with sample weights that are 0 for those labels.')
+      if Option('reduction') == 'mean_with_sample_weight':
+        raise ValueError(
+            f"{self.name}: the loss's reduction='mean_with_sample_weight' divides by the "
+            f"batch's sum of sample weights, which schedule={schedule!r} cannot merge from "
+            "its micro-batches' losses; use schedule='gpipe', or "
+            "reduction='sum_over_batch_size'.")
 
   def _CastInput(self, x):
     """A floating input in the compute dtype, as keras.Model.__call__ hands it to call()."""

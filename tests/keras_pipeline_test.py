@@ -1,6 +1,8 @@
 """Tests of lingvo_gpipe.keras_pipeline.PipelineModel against keras.Sequential."""
 
+import functools
 import os
+import re
 
 import keras
 import numpy as np
@@ -453,17 +455,26 @@ def testWhatAPipelineWouldDropOrChangeIsRefused():
   own.compile('sgd', 'mse')
   with pytest.raises(ValueError, match='an overridden compute_loss would not run'):
     own.fit(x, y, batch_size=_BATCH, verbose=0)
-  ignoring = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1)
   labels = np.arange(32) % 4 - 1  # A quarter of them ignored.
-  for sched, refused in (('1f1b', True), ('gpipe', False)):
-    pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=2,
-                                        schedule=sched, input_shape=(12,))
-    pipe.compile('sgd', ignoring)
-    if refused:
-      with pytest.raises(ValueError, match="ignore_class=-1 makes it a mean over the labels"):
-        pipe.fit(x, labels, batch_size=_BATCH, verbose=0)
-    else:
-      pipe.fit(x, labels, batch_size=_BATCH, verbose=0)
+  unmerged = [
+      (keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1),
+       'ignore_class=-1 makes it a mean over the labels'),
+      (functools.partial(keras.losses.sparse_categorical_crossentropy, from_logits=True,
+                         ignore_class=-1), 'ignore_class=-1 makes it a mean over the labels'),
+      (keras.losses.SparseCategoricalCrossentropy(
+          from_logits=True, reduction='mean_with_sample_weight'),
+       "reduction='mean_with_sample_weight' divides by the batch's sum of sample weights")]
+  for loss, message in unmerged:
+    for sched, refused in (('1f1b', True), ('gpipe', False)):
+      pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=2,
+                                          schedule=sched, input_shape=(12,))
+      pipe.compile('sgd', loss)
+      if refused:
+        with pytest.raises(ValueError, match=re.escape(message)):
+          pipe.fit(x, labels, sample_weight=np.ones(32), batch_size=_BATCH, verbose=0)
+      else:
+        pipe.fit(x, np.maximum(labels, 0), sample_weight=np.ones(32), batch_size=_BATCH,
+                 verbose=0)
   for bad in (8, '64', [64.7]):
     with pytest.raises(ValueError, match='input_shape must be the shape of one example, ints'):
       keras_pipeline.PipelineModel(_Layers(), num_stages=2, input_shape=bad)
