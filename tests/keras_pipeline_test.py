@@ -165,6 +165,7 @@ def testATrainingCallBeforeCompileIsDifferentiableLikeSequential():
 
 
 def testCallbacksValidationSaveLoadAndExport(tmp_path):
+  keras.utils.set_random_seed(2)
   # Built on its first batch: the layers do not say their input shape.
   pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=2)
   pipe.compile('adam', 'mse')
@@ -185,7 +186,9 @@ def testCallbacksValidationSaveLoadAndExport(tmp_path):
   pipe.export(str(tmp_path / 'export'), verbose=False)  # A [None, 12] signature.
   exported = tf.saved_model.load(str(tmp_path / 'export'))  # Kept: serve needs its variables.
   for rows in (1, 5, _BATCH):  # Fewer rows than micro-batches, uneven, even.
-    np.testing.assert_allclose(exported.serve(x[:rows]).numpy(), expected[:rows], rtol=1e-6)
+    # Kernels sum in another order for another number of rows: absolute float32 noise.
+    np.testing.assert_allclose(exported.serve(x[:rows]).numpy(), expected[:rows], rtol=1e-6,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize('sched,examples,num_micro', [
