@@ -1078,7 +1078,10 @@ def testBadCellsAndDevicesAreClearErrors():
 def testACheckpointRestoresIntoAnotherCut(tmp_path):
   two, four = _Pipe(2, 2), _Pipe(4, 8)
   x = _Input()
-  np.testing.assert_array_equal(two(x).numpy(), four(x).numpy())  # Same initial weights.
+  for a, b in zip(two.trainable_variables, four.trainable_variables):  # Same initial weights.
+    np.testing.assert_array_equal(a.numpy(), b.numpy())
+  # Matmuls of other micro-batch sizes may round otherwise (oneDNN): not bitwise.
+  assert _RelErr(four(x), two(x)) <= 1e-6
   for v in two.trainable_variables:
     v.assign_add(tf.ones_like(v))
   path = tf.train.Checkpoint(model=two).save(str(tmp_path / 'ckpt'))
