@@ -44,13 +44,20 @@ def testALossOfProbabilitiesIsProbedWithinZeroAndOne():
   assert float(value) == pytest.approx(np.log(2)) and float(weight) == 0.25
 
 
-def testALossThatIsZeroOnTheProbeCannotBeTold():
-  """The probe's outputs are positive: a penalty on negative outputs is 0 there, which is
-  the sum and the mean of its micro-batch values alike: refused, not guessed."""
+def testALossThatIsZeroOnEveryProbeCannotBeTold():
+  """A loss that is 0 on every probe's outputs is the sum and the mean of its micro-batch
+  values alike: refused, not guessed."""
   with pytest.raises(ValueError, match=r"random outputs \(0, not finite, or as much as the sum "
                      r'of its micro-batch values as their mean\) cannot tell which'):
-    metrics.MicroBatchLoss(lambda y: tf.reduce_mean(tf.nn.relu(-y)), 4, 16, 0, '1f1b')(
-        -tf.ones([4, 8]))
+    metrics.MicroBatchLoss(lambda y: 0.0 * tf.reduce_mean(y), 4, 16, 0, '1f1b')(tf.ones([4, 8]))
+
+
+def testAPenaltyOnNegativeOutputsIsToldByTheSignedProbe():
+  """The first probe's outputs are positive: a penalty on negative outputs is 0 there (it
+  was refused); the signed probe tells it a mean."""
+  value, weight = metrics.MicroBatchLoss(lambda y: tf.reduce_mean(tf.nn.relu(-y)), 4, 16, 0,
+                                         '1f1b')(-tf.ones([4, 8]))
+  assert (float(value), float(weight)) == (1.0, 0.25)
 
 
 def testTheProbeInAStepsGraphHoldsNoCopyOfTheOutputs():
@@ -119,3 +126,122 @@ def testAKerasLossOfAnEmptyMicroBatchWeighsNothing():
   assert (float(value), float(weight)) == (1.0, pytest.approx(1 / 3))
   value, weight = loss_fn(tf.ones([0, 8]), tf.zeros([0, 8]))
   assert (float(value), float(weight)) == (0.0, 0.0)
+
+
+def _CrossEntropy(logits, labels):
+  return tf.nn.sparse_softmax_cross_entropy_with_logits(tf.maximum(labels, 0), logits)
+
+
+def _BalancedCrossEntropy(logits, labels):
+  """Rows weighted by 1 / their class's count in the batch."""
+  labels = tf.maximum(labels, 0)
+  weights = 1.0 / tf.gather(tf.cast(tf.math.bincount(labels, minlength=3), logits.dtype), labels)
+  return tf.reduce_sum(_CrossEntropy(logits, labels) * weights) / tf.reduce_sum(weights)
+
+
+def _MaskedMean(logits, labels):
+  """A mean over the rows whose label is not -1 (padding)."""
+  mask = tf.cast(labels >= 0, logits.dtype)
+  return tf.reduce_sum(_CrossEntropy(logits, labels) * mask) / tf.reduce_sum(mask)
+
+
+# Losses that do not merge. A review found all but the division by the sum of sample
+# weights accepted when the only probe's outputs lay within (0.2, 0.8) and its int labels
+# were 0: on its data, the pipelined loss was another number than the whole batch's.
+_NOT_MERGING = {
+    'relu of a mean': lambda y, t, w: tf.nn.relu(tf.reduce_mean(y)),
+    'abs of a mean': lambda y, t, w: tf.abs(tf.reduce_mean(y)),
+    'hinge of a mean product': lambda y, t, w: tf.nn.relu(1.0 - tf.reduce_mean(y * w[:, None])),
+    'mse capped at 1': lambda y, t, w: tf.minimum(tf.reduce_mean(tf.square(y - w[:, None])), 1.0),
+    'masked mean': lambda y, t, w: _MaskedMean(y, t),
+    'class-balanced': lambda y, t, w: _BalancedCrossEntropy(y, t),
+    'by the sum of sample weights': lambda y, t, w: tf.reduce_sum(
+        _CrossEntropy(y, t) * w) / tf.reduce_sum(w),
+    '(masked mean, rows)': lambda y, t, w: (_MaskedMean(y, t), tf.cast(tf.shape(y)[0], y.dtype)),
+}
+
+
+def _Batch(rows, seed, scales=(1.0,)):
+  """Signed logits, labels 0..2 with some -1 (padding), positive sample weights; the rows
+  in len(scales) consecutive groups, the logits and weights of each times its scale."""
+  rng = np.random.default_rng(seed)
+  scale = np.repeat(scales, rows // len(scales))[:, None]
+  logits = (rng.normal(0.0, 2.0, [rows, 3]) + rng.normal(0.0, 1.0, [rows, 1]) * np.arange(3))
+  labels = np.where(rng.uniform(size=rows) < 0.3, -1, rng.integers(0, 3, rows))
+  return (tf.constant(logits * scale, tf.float32), tf.constant(labels, tf.int32),
+          tf.constant(rng.uniform(0.1, 2.0, rows) * np.abs(scale[:, 0]), tf.float32))
+
+
+@pytest.mark.parametrize('num_parts,batch', [(2, 8), (3, 7), (4, 16), (8, 8), (4, 3)])
+@pytest.mark.parametrize('name', sorted(_NOT_MERGING))
+def testLossesThatDoNotMergeAreRefused(name, num_parts, batch):
+  loss_fn = _NOT_MERGING[name]
+  # They do not merge: on a batch of random data, the whole batch's value is neither the
+  # sum nor the row-weighted mean of its micro-batch values.
+  whole = _Batch(24, seed=3, scales=(0.1, -0.5, 1.0, -3.0))
+  sizes = [6, 6, 6, 6]
+  values = [loss_fn(*part) for part in zip(*(tf.split(x, sizes) for x in whole))]
+  values = [v[0] if isinstance(v, tuple) else v for v in values]
+  value = loss_fn(*whole)
+  value = float(value[0] if isinstance(value, tuple) else value)
+  assert abs(value - float(tf.add_n(values))) > 1e-3
+  assert abs(value - float(tf.add_n(values)) / 4) > 1e-3
+  part = _Batch(max(batch // num_parts, 1), seed=0)
+  with pytest.raises(ValueError, match='is neither the sum|is not the weighted mean'):
+    metrics.MicroBatchLoss(loss_fn, num_parts, batch, 0, '1f1b')(*part)
+
+
+def _KerasLosses():
+  import keras  # pylint: disable=g-import-not-at-top
+  losses = keras.losses
+  return {
+      'keras mse': lambda y, t, w: losses.MeanSquaredError()(tf.nn.softmax(y), tf.nn.softmax(y * w[:, None])),
+      'keras weighted mse': lambda y, t, w: losses.MeanSquaredError()(
+          tf.nn.softmax(y), tf.nn.softmax(2 * y), sample_weight=w),
+      'keras sparse xent': lambda y, t, w: losses.SparseCategoricalCrossentropy(
+          from_logits=True)(tf.maximum(t, 0), y),
+      'keras weighted xent': lambda y, t, w: losses.CategoricalCrossentropy(from_logits=True)(
+          tf.one_hot(tf.maximum(t, 0), 3), y, sample_weight=w),
+      'keras ignore_class function': lambda y, t, w: tf.reduce_mean(
+          losses.sparse_categorical_crossentropy(t, y, from_logits=True, ignore_class=-1)),
+      'keras huber': lambda y, t, w: losses.Huber()(y, y * w[:, None]),
+      'keras cosine': lambda y, t, w: losses.CosineSimilarity()(y, y + w[:, None]),
+  }
+
+
+_MERGING = {
+    'sum': lambda y, t, w: tf.reduce_sum(tf.square(y)),
+    'mean of relu': lambda y, t, w: tf.reduce_mean(tf.nn.relu(y - 1.0)),
+    'sample-weighted mean': lambda y, t, w: tf.reduce_mean(_CrossEntropy(y, t) * w),
+    '(masked mean, count)': lambda y, t, w: (_MaskedMean(y, t),
+                                             tf.reduce_sum(tf.cast(t >= 0, y.dtype))),
+    '(weighted mean, sum of weights)': lambda y, t, w: (
+        tf.reduce_sum(_CrossEntropy(y, t) * w) / tf.reduce_sum(w), tf.reduce_sum(w)),
+}
+
+
+@pytest.mark.parametrize('num_parts,batch', [(2, 8), (3, 7), (4, 16), (8, 8)])
+def testLossesThatMergeAreAcceptedAndMergeToTheWholeBatchsValue(num_parts, batch):
+  """Sums, means and pairs, plain and Keras, pass every probe; their micro-batch metrics
+  merge to the whole batch's value on random data of either sign with padding labels."""
+  whole = _Batch(batch, seed=5)
+  for name, loss_fn in {**_MERGING, **_KerasLosses()}.items():
+    wrapped = metrics.MicroBatchLoss(loss_fn, num_parts, batch, 0, '1f1b')
+    parts = zip(*(tf.split(x, [len(p) for p in np.array_split(np.arange(batch), num_parts)])
+                  for x in whole))
+    merged = metrics.MergeMetrics([metrics.AsMetrics(wrapped(*part)) for part in parts])
+    expected = loss_fn(*whole)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    np.testing.assert_allclose(float(merged.loss[0]), float(expected), rtol=1e-5, err_msg=name)
+
+
+def testALossThatIsAMeanOnOneProbeAndASumOnAnotherIsRefused():
+  """A sum of the rows whenever a label is 1, else their mean: either rule would weigh some
+  batches wrong."""
+  def SumIfAnyLabelIsOne(y, t):
+    return tf.reduce_sum(y) if int(tf.reduce_max(t)) == 1 else tf.reduce_mean(y)
+
+  with pytest.raises(ValueError, match=r'is the sum of its micro-batch values, but the mean on '
+                     r'outputs within \(0\.2, 0\.8\)'):
+    metrics.MicroBatchLoss(SumIfAnyLabelIsOne, 4, 16, 0, '1f1b')(tf.ones([4, 8]),
+                                                               tf.zeros([4], tf.int32))

@@ -101,6 +101,45 @@ def _ProbeInput(like, sizes, batch_dim, index, widen):
   return tf.cast(values + centers.astype(np.float32), dtype)
 
 
+# The probes after the first, eager only, each on other outputs and labels: 'wide' (floats
+# from 0.1 to 4, int labels of two classes) and 'signed' (floats of either sign, int labels
+# with -1, padding, in some rows). What the first probe's narrow range cannot tell: a bend
+# of a batch statistic outside (0.2, 0.8) (relu(mean(y)), min(mse, 1)), a normalization by
+# the labels of the batch (a masked mean, class-balanced weights), per-row values that vary
+# between micro-batches (a cross-entropy divided by the batch's sum of sample weights).
+_FURTHER_PARTS = 8
+_FURTHER_PROBES = {'wide': 'outputs from 0.1 to 4 and int labels 0 and 1',
+                   'signed': 'outputs of either sign and int labels 0 and -1'}
+
+
+def _FurtherProbeInput(like, sizes, batch_dim, index, kind, widen):
+  """Values shaped like micro-batch tensor `like` for one of _FURTHER_PROBES, for a batch
+  of micro-batches of `sizes` rows (4 or more each). Floats: each micro-batch has a
+  magnitude of its own, log-spaced from 0.1 to 4 in an order of the tensor's own (for
+  'signed', half of them negative), and spreads its values over a random share of it, so
+  per-row values differ between micro-batches. Ints: a share of each micro-batch's rows,
+  its own, holds 1 ('wide') or -1 ('signed'); the others 0."""
+  parts = len(sizes)
+  rng = np.random.default_rng([list(_FURTHER_PROBES).index(kind), index])
+  shape = like.shape.as_list()
+  shape[batch_dim] = sum(sizes)
+  rows = [-1 if d == batch_dim else 1 for d in range(len(shape))]
+  if not like.dtype.is_floating:
+    shares = rng.permutation(np.linspace(0.2, 0.6, parts))
+    marked = np.concatenate([np.arange(n) < max(1, round(f * n)) for n, f in zip(sizes, shares)])
+    signed = kind == 'signed' and like.dtype.is_integer and not like.dtype.is_unsigned
+    labels = np.where(marked, -1 if signed else 1, 0).reshape(rows)
+    return tf.cast(np.broadcast_to(labels, shape), like.dtype)
+  centers = rng.permutation(0.1 * 40.0**(np.arange(parts) / max(parts - 1, 1)))
+  if kind == 'signed':
+    centers *= rng.permutation(np.where(np.arange(parts) % 2 == 0, 1.0, -1.0))
+  spreads = np.abs(centers) * rng.uniform(0.2, 1.0, parts)
+  values = (np.repeat(centers, sizes).reshape(rows) + np.repeat(spreads, sizes).reshape(rows) *
+            rng.uniform(-1.0, 1.0, shape))
+  dtype = like.dtype if like.dtype == tf.float64 or not widen else tf.float32
+  return tf.cast(values.astype(np.float32), dtype)
+
+
 # Relative tolerance of the probe's comparisons for a loss value of a 16-bit float: a few
 # of its roundings (epsilon 2^-7, 2^-10); else 1e-4.
 _TOLERANCE = {tf.bfloat16: 4 * 2.0**-7, tf.float16: 4 * 2.0**-10}
@@ -116,7 +155,7 @@ def _Combination(whole, parts, sizes, tolerance):
   not all finite, or the sum and the mean alike, as for a value near 0)."""
   whole, parts = float(whole), np.asarray(parts, np.float64)
   scale = max(abs(whole), float(np.abs(parts).max()))
-  if not np.isfinite(scale) or scale == 0.0:
+  if not np.all(np.isfinite(parts)) or not np.isfinite(scale) or scale == 0.0:
     return ''
   matches = [rule for rule, value in (('sum', parts.sum()),
                                       ('mean', np.average(parts, weights=sizes)))
@@ -186,22 +225,23 @@ class MicroBatchLoss:
   micro-batch's share of the batch, which weighs micro-batches of uneven size
   right; anything else (a max, a normalization by batch statistics, a loss
   reading whole-batch tensors other than its arguments) is refused with a
-  ValueError. When micro-batches differ in size (num_parts does not divide
-  batch_size, or it is unknown at trace time), (value, weight) pairs are probed
-  too: one whose whole-batch value is not the weighted mean of its micro-batch
-  values (a weight that does not count the items value is a mean over) is
-  refused. So every schedule gives the loss and gradients that loss_fn gives on
-  the whole batch.
+  ValueError. (value, weight) pairs are probed too: one whose whole-batch value
+  is not the weighted mean of its micro-batch values (a weight that does not
+  count the items value is a mean over, padding say) is refused. So every
+  schedule gives the loss and gradients that loss_fn gives on the whole batch.
 
-  The probe runs eagerly, once per trace. A loss that reads tensors of the step
-  being traced (a scale computed from the step, say) cannot run eagerly: it is
-  probed in the step's graph instead, every time the step runs (num_parts + 1
-  more loss_fn calls on the probe's outputs), and a loss that does not merge
-  fails the step with the same message (under XLA, which drops assertions, its
-  weight is NaN: the step's loss and gradients are NaN). A loss that is 0 or not
-  finite on the probe's outputs, or its sum and mean alike, cannot be told: refused,
-  or in the step's graph accepted only for micro-batch values that are 0 or not
-  finite too (a scale of 0).
+  The probe runs eagerly, once per trace, on outputs within (0.2, 0.8) and int
+  labels of 0, then on each of _FURTHER_PROBES (wider and signed outputs, labels
+  1 and -1); a probe whose values are not finite, or that loss_fn fails on,
+  tells nothing. A loss that reads tensors of the step being traced (a scale
+  computed from the step, say) cannot run eagerly: it is probed in the step's
+  graph instead, on the first probe's outputs only, every time the step runs
+  (num_parts + 1 more loss_fn calls), and a loss that does not merge fails the
+  step with the same message (under XLA, which drops assertions, its weight is
+  NaN: the step's loss and gradients are NaN); its pairs are probed there only
+  when micro-batches differ in size. A scalar that no probe can tell (0 or not
+  finite, or its sum and mean alike) is refused, or in the step's graph accepted
+  only for micro-batch values that are 0 or not finite too (a scale of 0).
 
   Args:
     loss_fn: the caller's loss function.
@@ -230,8 +270,8 @@ class MicroBatchLoss:
     if microbatch.StaticBatchSize(args, self._batch_dim) == 0:
       value = _NoRowsAsZero(value)
     AsMetrics(value)  # A ValueError unless its metrics are scalars or (value, weight) pairs.
-    if not self._probed and (_Scalars(value) or self._uneven):
-      self._Probe(args)
+    if not self._probed:
+      self._Probe(args, value)
       self._probed = True
     checks = list(self._checks)
 
@@ -259,83 +299,130 @@ class MicroBatchLoss:
 
   # -- the probe -----------------------------------------------------------------------
 
-  def _Probe(self, args):
+  def _Probe(self, args, value):
     """Sets the rule of each bare scalar; refuses a loss that does not merge."""
     # A batch of unknown size, or of fewer rows than num_parts (whose empty micro-batches
     # hold nothing to tell a sum from a mean), is probed with one num_parts does not divide.
-    size = self._batch_size
-    sizes = microbatch.Sizes(size if self._static and size >= self._num_parts
-                             else 2 * self._num_parts + 1, self._num_parts)
-    values, when_run = self._ProbeAnyhow(args, sizes)
-    for name, value in _Scalars(values[0]).items():
-      self._ProbeScalar(name, value, [_Scalars(v)[name] for v in values[1:]], sizes, when_run)
-    for name, pair in (_Pairs(values[0]) if self._uneven else {}).items():
-      self._ProbePair(name, pair, [_Pairs(v)[name] for v in values[1:]], sizes, when_run)
+    size, parts = self._batch_size, self._num_parts
+    sizes = microbatch.Sizes(size if self._static and size >= parts else 2 * parts + 1, parts)
+    when_run = False
+    if _Scalars(value) or self._uneven:
+      values, when_run = self._ProbeAnyhow(args, sizes)
+      self._ProbeMetrics(values, sizes, when_run, '', pairs=self._uneven)
+    if not when_run:
+      self._ProbeFurther(args)
+    for name, rule in self._rules.items():
+      if rule == '':
+        raise ValueError(self._Untold(name))
 
-  def _ProbeAnyhow(self, args, sizes):
+  def _ProbeFurther(self, args):
+    """Probes loss_fn on each of _FURTHER_PROBES, eagerly, on a batch of 8 or more parts
+    of 4 rows (so each holds labels of both values), one row more in some if the batch's
+    micro-batches differ in size. A loss that merges, merges for any split into parts;
+    more parts than micro-batches tell more bends of a batch statistic."""
+    parts = max(self._num_parts, _FURTHER_PARTS)
+    sizes = microbatch.Sizes(4 * parts + int(self._uneven), parts)
+    for kind, inputs in _FURTHER_PROBES.items():
+      try:
+        values, _ = self._ProbeAnyhow(args, sizes, kind)
+      except ValueError:  # _Call's: loss_fn failed on this probe's outputs or labels.
+        continue
+      self._ProbeMetrics(values, sizes, False, f' on {inputs}', pairs=True)
+
+  def _ProbeAnyhow(self, args, sizes, kind=None):
     """(values, whether in the step's graph): eagerly if loss_fn runs so, else (it reads
-    tensors of the step) in the graph; 16-bit floats as float32 if loss_fn takes them."""
+    tensors of the step; the first probe only) in the graph; 16-bit floats as float32 if
+    loss_fn takes them."""
     half = any(x.dtype in (tf.bfloat16, tf.float16) for x in tf.nest.flatten(args)
                if isinstance(x, tf.Tensor))
+    graph = kind is None and not tf.executing_eagerly()
     attempts = [(when_run, widen)
-                for when_run in ((False,) if tf.executing_eagerly() else (False, True))
+                for when_run in ((False, True) if graph else (False,))
                 for widen in ((True, False) if half else (False,))]
     for i, (when_run, widen) in enumerate(attempts):
       try:
         with contextlib.nullcontext() if when_run else tf.init_scope():
-          return self._ProbeValues(args, sizes, widen), when_run
+          return self._ProbeValues(args, sizes, widen, kind), when_run
       except ValueError:  # _Call's: loss_fn failed.
         if i + 1 == len(attempts):
           raise
 
-  def _ProbeValues(self, args, sizes, widen):
-    """loss_fn's values on random outputs of a whole batch, then of its micro-batches."""
+  def _ProbeValues(self, args, sizes, widen, kind):
+    """loss_fn's values on random outputs of a whole batch, then of its micro-batches: the
+    first probe's (kind None) or those of _FURTHER_PROBES[kind]."""
     index = itertools.count()
-    whole = tf.nest.map_structure(
-        lambda x: _ProbeInput(x, sizes, self._batch_dim, next(index), widen)
-        if isinstance(x, tf.Tensor) else x, args)
-    parts = microbatch.Split(whole, self._num_parts, self._batch_dim)
+
+    def Input(x):
+      if kind is None:
+        return _ProbeInput(x, sizes, self._batch_dim, next(index), widen)
+      return _FurtherProbeInput(x, sizes, self._batch_dim, next(index), kind, widen)
+
+    whole = tf.nest.map_structure(lambda x: Input(x) if isinstance(x, tf.Tensor) else x, args)
+    parts = microbatch.Split(whole, len(sizes), self._batch_dim)
     return [self._Call(*part) for part in [whole] + parts]
 
-  def _ProbeScalar(self, name, value, parts, sizes, when_run):
-    head = (f'schedule={self._schedule!r} calls loss_fn on each of {self._num_parts} '
+  def _ProbeMetrics(self, values, sizes, when_run, where, pairs):
+    """Probes each bare scalar of one probe's `values` (whole batch, then micro-batches)
+    and, with `pairs`, each (value, weight) pair; `where` names the probe in messages."""
+    for name, value in _Scalars(values[0]).items():
+      self._ProbeScalar(name, value, [_Scalars(v)[name] for v in values[1:]], sizes, when_run,
+                        where)
+    for name, pair in (_Pairs(values[0]) if pairs else {}).items():
+      self._ProbePair(name, pair, [_Pairs(v)[name] for v in values[1:]], sizes, when_run, where)
+
+  def _Head(self):
+    return (f'schedule={self._schedule!r} calls loss_fn on each of {self._num_parts} '
             'micro-batches, but its ')
-    advice = ('return (value, weight) pairs, which merge as sum(value * weight) / '
-              "sum(weight), or use schedule='gpipe'.")
-    message = head + f'{name!r} on a whole batch' + '{} is neither the sum{} nor the mean{} ' \
-        'of its micro-batch values: ' + advice
-    untold = (head + f'{name!r} on the probe\'s random outputs (0, not finite, or as much as '
-              'the sum of its micro-batch values as their mean) cannot tell which of the two it '
-              'is: ' + advice)
+
+  _ADVICE = ('return (value, weight) pairs, which merge as sum(value * weight) / sum(weight), '
+             "or use schedule='gpipe'.")
+
+  def _Untold(self, name):
+    return (self._Head() + f'{name!r} on the probes\' random outputs (0, not finite, or as much '
+            'as the sum of its micro-batch values as their mean) cannot tell which of the two '
+            'it is: ' + self._ADVICE)
+
+  def _ProbeScalar(self, name, value, parts, sizes, when_run, where):
+    """Sets or checks the scalar's rule: the first informative probe sets it, and every
+    other probe must agree with it."""
+    message = self._Head() + f'{name!r} on a whole batch{where}' + '{} is neither the sum{} ' \
+        'nor the mean{} of its micro-batch values: ' + self._ADVICE
     if when_run:
       is_sum, told, check = _CombinationWhenRun(value, parts, sizes, _Tolerance(value),
                                                 message.format('', '', ''))
-      self._rules[name] = (is_sum, told, untold + " (A micro-batch's value is not 0.)")
+      self._rules[name] = (is_sum, told, self._Untold(name) + " (A micro-batch's value is not 0.)")
       self._checks.append(check)
       return
     whole, parts = _Floats(value), [_Floats(part) for part in parts]
-    self._rules[name] = _Combination(whole, parts, sizes, _Tolerance(value))
-    if not self._rules[name]:
-      raise ValueError(untold if self._rules[name] == '' else message.format(
-          f' ({whole:.6g})', f' ({np.sum(parts):.6g})',
-          f' ({np.average(parts, weights=sizes):.6g})'))
+    rule, known = _Combination(whole, parts, sizes, _Tolerance(value)), self._rules.get(name, '')
+    if rule is None:
+      raise ValueError(message.format(f' ({whole:.6g})', f' ({np.sum(parts):.6g})',
+                                      f' ({np.average(parts, weights=sizes):.6g})'))
+    if rule and known and rule != known:
+      raise ValueError(self._Head() + f'{name!r} on a whole batch{where} ({whole:.6g}) is the '
+                       f'{rule} of its micro-batch values, but the {known} on outputs within '
+                       '(0.2, 0.8): ' + self._ADVICE)
+    self._rules[name] = known or rule
 
-  def _ProbePair(self, name, pair, parts, sizes, when_run):
+  def _ProbePair(self, name, pair, parts, sizes, when_run, where):
     value, weight = pair
-    message = (f'schedule={self._schedule!r} calls loss_fn on each of {self._num_parts} '
-               f'micro-batches of uneven sizes {sizes}, but its {name!r} (value, weight) on a '
-               'whole batch{} is not the weighted mean{} of its micro-batch values: the weight '
-               "must count the items the value is a mean over; or use schedule='gpipe', or a "
-               'batch that num_micro_batches divides.')
+    message = (self._Head() + f'{name!r} (value, weight) on a whole batch{where}' + '{} is '
+               f'not the weighted mean{{}} of its values on parts of {sizes} rows: the weight '
+               "must count the items the value is a mean over; or use schedule='gpipe'" +
+               (', or a batch that num_micro_batches divides.' if self._uneven else '.'))
     tolerance = _Tolerance(value)
     if when_run:
       self._checks.append(_WeightedMeanWhenRun(value, parts, tolerance, message.format('', '')))
       return
     parts = np.asarray([[_Floats(x) for x in part] for part in parts], np.float64)
-    if not np.sum(parts[:, 1]):
+    total = np.sum(parts[:, 1])
+    if not total:
       return  # No item to weigh in the probe's outputs: the pair's definition stands.
-    value, merged = _Floats(value), float(np.sum(parts[:, 0] * parts[:, 1]) / np.sum(parts[:, 1]))
-    if not abs(value - merged) <= tolerance * max(abs(value), abs(merged)):
+    products = np.where(parts[:, 1] == 0, 0.0, parts[:, 0] * parts[:, 1])
+    value, merged = _Floats(value), float(np.sum(products) / total)
+    # Micro-batch weights of either sign (sample weights on the signed probe) may cancel.
+    scale = max(abs(value), abs(merged), float(np.sum(np.abs(products)) / abs(total)))
+    if np.isfinite(scale) and not abs(value - merged) <= tolerance * scale:
       raise ValueError(message.format(f' ({value:.6g}, weight {_Floats(weight):.6g})',
                                       f' ({merged:.6g})'))
 
