@@ -900,6 +900,12 @@ def _SumLoss(y):
   return tf.reduce_sum(tf.square(y - 0.5))
 
 
+def _LossOfSomeRows(y):
+  """A mean that refuses a tensor of no rows, as Keras's max does eagerly."""
+  tf.debugging.assert_positive(tf.shape(y)[0], message='a loss of no rows')
+  return _Loss(y)
+
+
 def _AssertUnevenExact(pipe, x, loss_fn, step_fn=None):
   ref_loss, ref_grads = _UnevenReference(pipe, x, loss_fn)
   with py_utils.Context(step=7):
@@ -1003,10 +1009,11 @@ def testUnevenMicroBatchesRefuseAPairWhoseWeightDoesNotCountItsItems():
 @pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
 def testABatchSmallerThanMTrainsExactly(sched, remat):
   """3 rows, M=4 (micro-batches 1, 1, 1 and an empty one), dropout: mean, sum and (value,
-  weight) losses equal the whole batch on one device; so do 3 rows on 2 replicas (1, 1, 0, 0
-  and 1, 0, 0, 0) and 1 row."""
+  weight) losses equal the whole batch on one device, and so does one that fails on no rows
+  (the empty micro-batch's metrics are zeros, not loss_fn's); so do 3 rows on 2 replicas
+  (1, 1, 0, 0 and 1, 0, 0, 0) and 1 row."""
   pipe = _UnevenPipe(sched, remat)
-  for loss_fn in (_Loss, _SumLoss, _MeanPair):
+  for loss_fn in (_Loss, _SumLoss, _MeanPair, _LossOfSomeRows):
     _AssertUnevenExact(pipe, _Input()[:3], loss_fn)
   _AssertUnevenExact(pipe, _Input()[:1], _Loss)
   _AssertUnevenExact(_UnevenPipe(sched, remat, num_replicas=2), _Input()[:3], _Loss)

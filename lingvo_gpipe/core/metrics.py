@@ -134,10 +134,11 @@ def _FurtherProbeInput(like, sizes, batch_dim, index, kind, widen):
   if kind == 'signed':
     centers *= rng.permutation(np.where(np.arange(parts) % 2 == 0, 1.0, -1.0))
   spreads = np.abs(centers) * rng.uniform(0.2, 1.0, parts)
-  values = (np.repeat(centers, sizes).reshape(rows) + np.repeat(spreads, sizes).reshape(rows) *
-            rng.uniform(-1.0, 1.0, shape))
+  noise = rng.random(shape, np.float32) * 2 - 1  # float32: the batch may be large.
+  values = (np.repeat(centers, sizes).reshape(rows).astype(np.float32) +
+            np.repeat(spreads, sizes).reshape(rows).astype(np.float32) * noise)
   dtype = like.dtype if like.dtype == tf.float64 or not widen else tf.float32
-  return tf.cast(values.astype(np.float32), dtype)
+  return tf.cast(values, dtype)
 
 
 # Relative tolerance of the probe's comparisons for a loss value of a 16-bit float: a few
@@ -264,12 +265,20 @@ class MicroBatchLoss:
     # _Checks of a probe in the step's graph, guarding every micro-batch's metrics.
     self._checks = []
     self._probed = False
+    # The dtypes of loss_fn's metrics, for zeros on a micro-batch traced without rows.
+    self._dtypes = None
 
   def __call__(self, *args):
-    value = self._Call(*args)
-    if microbatch.StaticBatchSize(args, self._batch_dim) == 0:
-      value = _NoRowsAsZero(value)
-    AsMetrics(value)  # A ValueError unless its metrics are scalars or (value, weight) pairs.
+    empty = microbatch.StaticBatchSize(args, self._batch_dim) == 0
+    if empty and self._dtypes is not None:
+      # Zeros, not loss_fn's value: some fail on no rows (Keras's, eagerly).
+      value = _MapScalars(lambda dtype: tf.zeros([], dtype), self._dtypes)
+    else:
+      value = self._Call(*args)
+      value = _NoRowsAsZero(value) if empty else value
+      AsMetrics(value)  # A ValueError unless its metrics are scalars or (value, weight) pairs.
+      if self._dtypes is None:
+        self._dtypes = _MapScalars(lambda x: tf.convert_to_tensor(x).dtype, value)
     if not self._probed:
       self._Probe(args, value)
       self._probed = True
@@ -453,6 +462,16 @@ class MicroBatchLoss:
     """A mean over the batch's rows: weighing the micro-batch's share of them."""
     rows = microbatch.BatchSize(args, self._batch_dim)
     return value, tf.cast(rows, value.dtype) / tf.cast(self._batch_size, value.dtype)
+
+
+def _MapScalars(fn, value):
+  """loss_fn's value with fn of each scalar (both of a (value, weight) pair)."""
+  def Map(metric):
+    return tuple(map(fn, metric)) if _IsPair(metric) else fn(metric)
+
+  if isinstance(value, dict):
+    return type(value)({k: Map(v) for k, v in value.items()})
+  return Map(value)
 
 
 def _NoRowsAsZero(value):
