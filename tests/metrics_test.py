@@ -245,3 +245,23 @@ def testALossThatIsAMeanOnOneProbeAndASumOnAnotherIsRefused():
                      r'outputs within \(0\.2, 0\.8\)'):
     metrics.MicroBatchLoss(SumIfAnyLabelIsOne, 4, 16, 0, '1f1b')(tf.ones([4, 8]),
                                                                tf.zeros([4], tf.int32))
+
+
+def testTheFurtherProbesStayWithinTheirBudgetOfNumbers(monkeypatch):
+  """Outputs too large for 8 parts of 4 rows are probed on M parts of 4 or 3; too large for
+  those, only the first probe runs and a warning says what is not checked. (The budget
+  is lowered here: a row holds 9 numbers, 8 logits and a label.)"""
+  logits, labels = tf.ones([2, 8]), tf.zeros([2], tf.int32)  # M=4 of batch 8: 2 rows each.
+  loss = metrics.MicroBatchLoss(lambda y, t: _MaskedMean(y, t), 4, 8, 0, '1f1b')
+  for numbers, sizes in ((9 * 32, [4] * 8), (9 * 16, [4] * 4), (9 * 12, [3] * 4),
+                         (9 * 12 - 1, None)):
+    monkeypatch.setattr(metrics, '_FURTHER_NUMBERS', numbers)
+    assert loss._FurtherSizes((logits, labels), 8) == sizes
+  monkeypatch.setattr(metrics, '_FURTHER_NUMBERS', 9 * 12)
+  with pytest.raises(ValueError, match='is neither the sum'):
+    metrics.MicroBatchLoss(lambda y, t: _MaskedMean(y, t), 4, 8, 0, '1f1b')(logits, labels)
+  monkeypatch.setattr(metrics, '_FURTHER_NUMBERS', 9 * 12 - 1)
+  warnings = []
+  monkeypatch.setattr(metrics.logging, 'warning', lambda *a: warnings.append(a[0] % a[1:]))
+  metrics.MicroBatchLoss(lambda y, t: _MaskedMean(y, t), 4, 8, 0, '1f1b')(logits, labels)
+  assert len(warnings) == 1 and 'normalizes by int labels is not refused' in warnings[0]

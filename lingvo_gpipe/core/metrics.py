@@ -7,6 +7,7 @@ several batches or micro-batches merge exactly as sum(value * weight) / sum(weig
 import contextlib
 import itertools
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -108,13 +109,16 @@ def _ProbeInput(like, sizes, batch_dim, index, widen):
 # the labels of the batch (a masked mean, class-balanced weights), per-row values that vary
 # between micro-batches (a cross-entropy divided by the batch's sum of sample weights).
 _FURTHER_PARTS = 8
+# The further probes' batch holds no more rows than the first's, or than make this many
+# numbers (64 MB of float32): a language model's logits may hold 16M numbers a row.
+_FURTHER_NUMBERS = 2**24
 _FURTHER_PROBES = {'wide': 'outputs from 0.1 to 4 and int labels 0 and 1',
                    'signed': 'outputs of either sign and int labels 0 and -1'}
 
 
 def _FurtherProbeInput(like, sizes, batch_dim, index, kind, widen):
   """Values shaped like micro-batch tensor `like` for one of _FURTHER_PROBES, for a batch
-  of micro-batches of `sizes` rows (4 or more each). Floats: each micro-batch has a
+  of micro-batches of `sizes` rows (3 or more each). Floats: each micro-batch has a
   magnitude of its own, log-spaced from 0.1 to 4 in an order of the tensor's own (for
   'signed', half of them negative), and spreads its values over a random share of it, so
   per-row values differ between micro-batches. Ints: a share of each micro-batch's rows,
@@ -319,24 +323,50 @@ class MicroBatchLoss:
       values, when_run = self._ProbeAnyhow(args, sizes)
       self._ProbeMetrics(values, sizes, when_run, '', pairs=self._uneven)
     if not when_run:
-      self._ProbeFurther(args)
+      self._ProbeFurther(args, sum(sizes))
     for name, rule in self._rules.items():
       if rule == '':
         raise ValueError(self._Untold(name))
 
-  def _ProbeFurther(self, args):
-    """Probes loss_fn on each of _FURTHER_PROBES, eagerly, on a batch of 8 or more parts
-    of 4 rows (so each holds labels of both values), one row more in some if the batch's
-    micro-batches differ in size. A loss that merges, merges for any split into parts;
-    more parts than micro-batches tell more bends of a batch statistic."""
-    parts = max(self._num_parts, _FURTHER_PARTS)
-    sizes = microbatch.Sizes(4 * parts + int(self._uneven), parts)
+  def _ProbeFurther(self, args, rows):
+    """Probes loss_fn eagerly on each of _FURTHER_PROBES (if their batch is not too large
+    beside the first probe's of `rows` rows)."""
+    sizes = self._FurtherSizes(args, rows)
+    if sizes is None:
+      logging.warning('The loss probe ran on outputs within (0.2, 0.8) only: the outputs of '
+                      '%s are too large for its further probes on a few rows, so a loss that '
+                      'bends outside that range or normalizes by int labels is not refused.',
+                      self._schedule)
+      return
     for kind, inputs in _FURTHER_PROBES.items():
       try:
         values, _ = self._ProbeAnyhow(args, sizes, kind)
       except ValueError:  # _Call's: loss_fn failed on this probe's outputs or labels.
         continue
       self._ProbeMetrics(values, sizes, False, f' on {inputs}', pairs=True)
+
+  def _FurtherSizes(self, args, rows):
+    """The further probes' parts: 8 or more of 4 rows each (so that each holds labels of
+    both values; a loss that merges, merges for any split, and more parts than
+    micro-batches tell more bends of a batch statistic), else num_parts of 4 or 3, one row
+    more in some if micro-batches differ in size; within the larger of `rows` and
+    _FURTHER_NUMBERS numbers of loss_fn's arguments. None if none fits, or the size of a
+    row is unknown."""
+    per_row = 0
+    for x in tf.nest.flatten(args):
+      if isinstance(x, tf.Tensor):
+        shape = x.shape.as_list()
+        del shape[self._batch_dim]
+        if None in shape:
+          return None
+        per_row += int(np.prod(shape))
+    limit = max(rows, _FURTHER_NUMBERS // max(per_row, 1))
+    extra = int(self._uneven)
+    for parts, each in ((max(self._num_parts, _FURTHER_PARTS), 4), (self._num_parts, 4),
+                        (self._num_parts, 3)):
+      if parts * each + extra <= limit:
+        return microbatch.Sizes(parts * each + extra, parts)
+    return None
 
   def _ProbeAnyhow(self, args, sizes, kind=None):
     """(values, whether in the step's graph): eagerly if loss_fn runs so, else (it reads
