@@ -325,8 +325,14 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
   return step
 
 
+# Seconds between evaluation progress lines.
+EVAL_PROGRESS_SECONDS = 60
+
+
 def Evaluate(eval_fn, dataset, num_batches=None):
-  """Metrics averaged over batches as sum(value * weight) / sum(weight).
+  """Metrics averaged over batches as sum(value * weight) / sum(weight); a progress line
+  every EVAL_PROGRESS_SECONDS, so that a long or endless input (a generator whose end
+  tf.data cannot know) is seen running.
 
   Args:
     eval_fn: batch -> NestedMap name -> (value, weight).
@@ -338,10 +344,21 @@ def Evaluate(eval_fn, dataset, num_batches=None):
   """
   if num_batches is not None:
     dataset = dataset.take(num_batches)
+  total = int(dataset.cardinality())
+  if total >= 0:
+    of = f' of {total}'
+  elif num_batches is not None:
+    of = f' of at most {num_batches}'
+  else:
+    of = " (the input's end is unknown; give a number of steps or batches to bound it)"
   sums, weights, count = {}, {}, 0
+  start = last = time.monotonic()
   for batch in dataset:
     for name, (value, weight) in eval_fn(batch).items():
       sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
       weights[name] = weights.get(name, 0.0) + float(weight)
     count += 1
+    if time.monotonic() - last >= EVAL_PROGRESS_SECONDS:
+      last = time.monotonic()
+      logging.info('Evaluated %d batches%s in %.0f s.', count, of, last - start)
   return {name: sums[name] / weights[name] for name in sums}, count

@@ -290,7 +290,8 @@ class Estimator:
     """Metrics over `steps` batches (default: until the input ends) of the latest checkpoint.
 
     An input that repeats forever (tf.data's INFINITE_CARDINALITY) needs `steps`; one
-    whose end tf.data cannot know (a generator) is read until it ends.
+    whose end tf.data cannot know (a generator) is read until it ends, with a progress
+    line every base_runner.EVAL_PROGRESS_SECONDS.
 
     Returns:
       dict with 'loss', the eval metrics and 'global_step'; also summarized in

@@ -201,3 +201,31 @@ def testBadStepsAndAnEndlessEvaluationAreClearErrors(tmp_path):
                'log_step_count_steps'):  # Said when the Estimator is made.
     with pytest.raises(base_runner.UserError, match=f'RunConfig.{name} must be >= 1, got 0'):
       estimator.Estimator.from_registry(_MODEL, _Config(tmp_path, **{name: 0}))
+
+
+def testEvaluatingAnInputOfUnknownEndLogsProgress(tmp_path, monkeypatch):
+  """A generator's end is unknown to tf.data: evaluate reads it until it ends and says
+  how far it got, and how to bound it."""
+  est = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path))
+  train = estimator.RegistryInputFn(_MODEL, 'Train')
+  est.train(train, steps=1)
+  batch = next(iter(train({})))
+
+  def GeneratorInputFn(params):
+    del params
+    return tf.data.Dataset.from_generator(
+        lambda: (batch for _ in range(3)),
+        output_signature=tf.nest.map_structure(tf.TensorSpec.from_tensor, batch))
+
+  lines = []
+  monkeypatch.setattr(base_runner, 'EVAL_PROGRESS_SECONDS', 0)
+  monkeypatch.setattr(base_runner.logging, 'info', lambda *a: lines.append(a[0] % a[1:]))
+  assert set(est.evaluate(GeneratorInputFn)) > {'loss', 'global_step'}
+  progress = [line for line in lines if line.startswith('Evaluated ')]
+  assert [line.rsplit(' in ', 1)[0] for line in progress] == [
+      f"Evaluated {n} batches (the input's end is unknown; give a number of steps or batches "
+      'to bound it)' for n in (1, 2, 3)]
+  lines.clear()
+  est.evaluate(GeneratorInputFn, steps=2)
+  assert [line.rsplit(' in ', 1)[0] for line in lines if line.startswith('Evaluated ')] == [
+      'Evaluated 1 batches of at most 2', 'Evaluated 2 batches of at most 2']
