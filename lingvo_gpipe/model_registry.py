@@ -48,6 +48,8 @@ _PROJECT_PARAMS = 'lingvo_gpipe.params'
 
 # Key -> registered SingleTaskModelParams subclass.
 _REGISTRY = {}
+# Key -> the frame (a params file's execution) that registered it.
+_REGISTERED_IN = {}
 # Import errors of params files already warned of.
 _WARNED = set()
 
@@ -82,7 +84,8 @@ def RegisterSingleTaskModel(cls):
 
   Registering a class again from the same file (a module imported twice, e.g.
   by package name and by path, or reloaded) replaces the entry, as re-executing
-  a module rebinds its names; the same key from another file is an error.
+  a module rebinds its names; the same key from another file, or twice in one
+  execution of a file (two classes of one name), is an error.
   """
   if not (isinstance(cls, type) and issubclass(cls, base_model_params.SingleTaskModelParams)):
     raise TypeError('RegisterSingleTaskModel expects a subclass of '
@@ -92,7 +95,12 @@ def RegisterSingleTaskModel(cls):
   if old is not None and not _IsSameFile(old, cls):
     raise ValueError(f'Model key {key!r} of {_SourceOf(cls)} is already registered by '
                      f'{_SourceOf(old)}.')
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  if old is not None and _REGISTERED_IN.get(key) is frame:
+    raise ValueError(f'{_SourceOf(cls)} defines two models named {cls.__name__}: the second '
+                     f'would replace the first under {key!r}; rename one.')
   _REGISTRY[key] = cls
+  _REGISTERED_IN[key] = frame
   return cls
 
 

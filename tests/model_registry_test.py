@@ -139,6 +139,14 @@ def testDuplicateKeyFromAnotherFileIsAnError(tmp_path):
   assert str(tmp_path / 'a' / 'mt' / 'mine.py') in message
 
 
+def testTwoModelsOfOneNameInOneFileAreAnError(tmp_path):
+  """The second would silently replace the first (a reload replaces, as tested above)."""
+  path = _WriteModel(tmp_path, 'mt/twice.py', 'Twice', 'Other', 'Twice')
+  with pytest.raises(ImportError, match=f'{re.escape(str(path))} defines two models named Twice: '
+                     "the second would replace the first under 'mt.twice.Twice'; rename one"):
+    model_registry.ImportParams(tmp_path)
+
+
 def testRegisterRejectsNonSubclasses():
   with pytest.raises(TypeError, match='expects a subclass of .*SingleTaskModelParams; got'):
 
