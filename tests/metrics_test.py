@@ -139,10 +139,16 @@ def _BalancedCrossEntropy(logits, labels):
   return tf.reduce_sum(_CrossEntropy(logits, labels) * weights) / tf.reduce_sum(weights)
 
 
-def _MaskedMean(logits, labels):
-  """A mean over the rows whose label is not -1 (padding)."""
-  mask = tf.cast(labels >= 0, logits.dtype)
+def _MaskedMean(logits, labels, padding=-1):
+  """A mean over the rows whose label is not `padding`."""
+  mask = tf.cast(tf.not_equal(labels, padding), logits.dtype)
   return tf.reduce_sum(_CrossEntropy(logits, labels) * mask) / tf.reduce_sum(mask)
+
+
+def _KerasIgnoring(padding):
+  import keras  # pylint: disable=g-import-not-at-top
+  xent = keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=padding)
+  return lambda y, t, w: xent(tf.where(tf.equal(t, -1), tf.zeros_like(t), t), y)  # -1: a class.
 
 
 # Losses that do not merge. A review found all but the division by the sum of sample
@@ -154,6 +160,11 @@ _NOT_MERGING = {
     'hinge of a mean product': lambda y, t, w: tf.nn.relu(1.0 - tf.reduce_mean(y * w[:, None])),
     'mse capped at 1': lambda y, t, w: tf.minimum(tf.reduce_mean(tf.square(y - w[:, None])), 1.0),
     'masked mean': lambda y, t, w: _MaskedMean(y, t),
+    'masked mean ignoring -100': lambda y, t, w: _MaskedMean(y, t, padding=-100),
+    'keras ignore_class=-100 in a lambda': _KerasIgnoring(-100),
+    'mean over positive targets': lambda y, t, w: tf.reduce_sum(
+        tf.abs(y[:, 0] - y[:, 1]) * tf.cast(y[:, 1] > 0, y.dtype)) / tf.reduce_sum(
+            tf.cast(y[:, 1] > 0, y.dtype)),
     'class-balanced': lambda y, t, w: _BalancedCrossEntropy(y, t),
     'by the sum of sample weights': lambda y, t, w: tf.reduce_sum(
         _CrossEntropy(y, t) * w) / tf.reduce_sum(w),
@@ -162,12 +173,15 @@ _NOT_MERGING = {
 
 
 def _Batch(rows, seed, scales=(1.0,)):
-  """Signed logits, labels 0..2 with some -1 (padding), positive sample weights; the rows
-  in len(scales) consecutive groups, the logits and weights of each times its scale."""
+  """Signed logits, labels 0..2 with some -1 or -100 (padding), positive sample weights;
+  the rows in len(scales) consecutive groups, the logits and weights of each times its
+  scale, and each group's share of padding its own."""
   rng = np.random.default_rng(seed)
-  scale = np.repeat(scales, rows // len(scales))[:, None]
+  groups = np.repeat(np.arange(len(scales)), rows // len(scales))
+  scale = np.asarray(scales)[groups][:, None]
   logits = (rng.normal(0.0, 2.0, [rows, 3]) + rng.normal(0.0, 1.0, [rows, 1]) * np.arange(3))
-  labels = np.where(rng.uniform(size=rows) < 0.3, -1, rng.integers(0, 3, rows))
+  padding = rng.uniform(size=rows) < (0.1 + 0.6 * groups / len(scales))
+  labels = np.where(padding, rng.choice([-1, -100], rows), rng.integers(0, 3, rows))
   return (tf.constant(logits * scale, tf.float32), tf.constant(labels, tf.int32),
           tf.constant(rng.uniform(0.1, 2.0, rows) * np.abs(scale[:, 0]), tf.float32))
 
@@ -203,7 +217,8 @@ def _KerasLosses():
       'keras weighted xent': lambda y, t, w: losses.CategoricalCrossentropy(from_logits=True)(
           tf.one_hot(tf.maximum(t, 0), 3), y, sample_weight=w),
       'keras ignore_class function': lambda y, t, w: tf.reduce_mean(
-          losses.sparse_categorical_crossentropy(t, y, from_logits=True, ignore_class=-1)),
+          losses.sparse_categorical_crossentropy(tf.maximum(t, -1), y, from_logits=True,
+                                                 ignore_class=-1)),
       'keras huber': lambda y, t, w: losses.Huber()(y, y * w[:, None]),
       'keras cosine': lambda y, t, w: losses.CosineSimilarity()(y, y + w[:, None]),
   }
@@ -214,7 +229,7 @@ _MERGING = {
     'mean of relu': lambda y, t, w: tf.reduce_mean(tf.nn.relu(y - 1.0)),
     'sample-weighted mean': lambda y, t, w: tf.reduce_mean(_CrossEntropy(y, t) * w),
     '(masked mean, count)': lambda y, t, w: (_MaskedMean(y, t),
-                                             tf.reduce_sum(tf.cast(t >= 0, y.dtype))),
+                                             tf.reduce_sum(tf.cast(t != -1, y.dtype))),
     '(weighted mean, sum of weights)': lambda y, t, w: (
         tf.reduce_sum(_CrossEntropy(y, t) * w) / tf.reduce_sum(w), tf.reduce_sum(w)),
 }
@@ -236,32 +251,77 @@ def testLossesThatMergeAreAcceptedAndMergeToTheWholeBatchsValue(num_parts, batch
 
 
 def testALossThatIsAMeanOnOneProbeAndASumOnAnotherIsRefused():
-  """A sum of the rows whenever a label is 1, else their mean: either rule would weigh some
+  """A sum of the rows where no label is 0, else their mean: either rule would weigh some
   batches wrong."""
-  def SumIfAnyLabelIsOne(y, t):
-    return tf.reduce_sum(y) if int(tf.reduce_max(t)) == 1 else tf.reduce_mean(y)
+  def SumUnlessALabelIsZero(y, t):
+    return tf.reduce_sum(y) if int(tf.reduce_min(t)) >= 1 else tf.reduce_mean(y)
 
   with pytest.raises(ValueError, match=r'is the sum of its micro-batch values, but the mean on '
                      r'outputs within \(0\.2, 0\.8\)'):
-    metrics.MicroBatchLoss(SumIfAnyLabelIsOne, 4, 16, 0, '1f1b')(tf.ones([4, 8]),
+    metrics.MicroBatchLoss(SumUnlessALabelIsZero, 4, 16, 0, '1f1b')(tf.ones([4, 8]),
                                                                tf.zeros([4], tf.int32))
 
 
 def testTheFurtherProbesStayWithinTheirBudgetOfNumbers(monkeypatch):
-  """Outputs too large for 8 parts of 4 rows are probed on M parts of 4 or 3; too large for
-  those, only the first probe runs and a warning says what is not checked. (The budget
+  """Outputs too large for 8 parts of 4 rows are probed on M parts of 4, 3, 2 or 1 rows,
+  no more than the first probe's batch: a masked mean is refused on those too. (The budget
   is lowered here: a row holds 9 numbers, 8 logits and a label.)"""
   logits, labels = tf.ones([2, 8]), tf.zeros([2], tf.int32)  # M=4 of batch 8: 2 rows each.
   loss = metrics.MicroBatchLoss(lambda y, t: _MaskedMean(y, t), 4, 8, 0, '1f1b')
-  for numbers, sizes in ((9 * 32, [4] * 8), (9 * 16, [4] * 4), (9 * 12, [3] * 4),
-                         (9 * 12 - 1, None)):
+  for numbers, rows, sizes in ((9 * 32, 8, [4] * 8), (9 * 16, 8, [4] * 4),
+                               (9 * 12, 8, [3] * 4), (9 * 11, 8, [2] * 4), (1, 8, [2] * 4),
+                               (1, 4, [1] * 4)):
     monkeypatch.setattr(metrics, '_FURTHER_NUMBERS', numbers)
-    assert loss._FurtherSizes((logits, labels), 8) == sizes
-  monkeypatch.setattr(metrics, '_FURTHER_NUMBERS', 9 * 12)
-  with pytest.raises(ValueError, match='is neither the sum'):
-    metrics.MicroBatchLoss(lambda y, t: _MaskedMean(y, t), 4, 8, 0, '1f1b')(logits, labels)
-  monkeypatch.setattr(metrics, '_FURTHER_NUMBERS', 9 * 12 - 1)
-  warnings = []
-  monkeypatch.setattr(metrics.logging, 'warning', lambda *a: warnings.append(a[0] % a[1:]))
-  metrics.MicroBatchLoss(lambda y, t: _MaskedMean(y, t), 4, 8, 0, '1f1b')(logits, labels)
-  assert len(warnings) == 1 and 'normalizes by int labels is not refused' in warnings[0]
+    assert loss._FurtherSizes((logits, labels), rows) == sizes
+  monkeypatch.setattr(metrics, '_FURTHER_NUMBERS', 1)
+  for batch in (8, 4):  # Parts of 2 rows, and of 1 (a part of padding only: 0 / 0).
+    with pytest.raises(ValueError, match='is neither the sum'):
+      metrics.MicroBatchLoss(lambda y, t: _MaskedMean(y, t), 4, batch, 0, '1f1b')(
+          logits[:batch // 4], labels[:batch // 4])
+
+
+def testLossesOfMasksLengthsAndGradesThatMergeAreAccepted():
+  """Found refused by review: a mean over a float 0/1 mask weighed by its non-zeros (pairs
+  are probed on outputs of 0 and 1, as masks are), a mean of per-sequence means over int
+  lengths (0 on the first probe: a division by 0), a pairwise loss over int relevance
+  grades (labels that vary within a row), and a loss given a string tensor. Each merges
+  to the whole batch's value on data of their kind."""
+  rng = np.random.default_rng(7)
+  logits = tf.constant(rng.normal(size=[16, 5]), tf.float32)
+  mask = tf.constant(rng.uniform(size=[16]) < 0.6, tf.float32)
+  lengths = tf.constant(rng.integers(1, 6, 16), tf.int32)
+  grades = tf.constant(rng.integers(0, 4, [16, 5]), tf.int32)
+  keys = tf.constant(['k'] * 16)
+
+  def RankNet(s, rel):
+    before = tf.cast(rel[:, :, None] > rel[:, None, :], s.dtype)
+    return tf.reduce_mean(tf.reduce_sum(tf.nn.softplus(s[:, None] - s[:, :, None]) * before,
+                                        [1, 2]))
+
+  cases = {
+      'masked pair': (lambda y, m: (tf.reduce_sum(tf.reduce_mean(y, 1) * m) / tf.reduce_sum(m),
+                                    tf.cast(tf.math.count_nonzero(m), y.dtype)), (logits, mask)),
+      'per-sequence means': (lambda y, n: tf.reduce_mean(
+          tf.reduce_sum(y, 1) / tf.cast(n, y.dtype)), (logits, lengths)),
+      'pairwise over grades': (RankNet, (logits, grades)),
+      'with a string tensor': (lambda y, k: tf.reduce_mean(tf.square(y)), (logits, keys)),
+  }
+  for name, (loss_fn, whole) in cases.items():
+    wrapped = metrics.MicroBatchLoss(loss_fn, 4, 16, 0, '1f1b')
+    parts = zip(*(tf.split(x, 4) for x in whole))
+    merged = metrics.MergeMetrics([metrics.AsMetrics(wrapped(*part)) for part in parts])
+    expected = loss_fn(*whole)
+    expected = expected[0] if isinstance(expected, tuple) else expected
+    np.testing.assert_allclose(float(merged.loss[0]), float(expected), rtol=1e-5, err_msg=name)
+
+
+def testAMaskedMeanIgnoringAVoidLabelOf255IsRefused():
+  """uint8 segmentation labels whose void, 255, is left out of the mean."""
+  def VoidMaskedMean(logits, labels):
+    mask = tf.cast(labels != 255, logits.dtype)
+    xent = _CrossEntropy(logits, tf.cast(tf.where(labels == 255, 0, labels), tf.int32))
+    return tf.reduce_sum(xent * mask) / tf.reduce_sum(mask)
+
+  with pytest.raises(ValueError, match='int labels 0 and 255 .* is neither the sum'):
+    metrics.MicroBatchLoss(VoidMaskedMean, 4, 16, 0, '1f1b')(tf.ones([4, 3]),
+                                                           tf.zeros([4], tf.uint8))

@@ -7,7 +7,6 @@ several batches or micro-batches merge exactly as sum(value * weight) / sum(weig
 import contextlib
 import itertools
 
-from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -102,45 +101,76 @@ def _ProbeInput(like, sizes, batch_dim, index, widen):
   return tf.cast(values + centers.astype(np.float32), dtype)
 
 
-# The probes after the first, eager only, each on other outputs and labels: 'wide' (floats
-# from 0.1 to 4, int labels of two classes) and 'signed' (floats of either sign, int labels
-# with -1, padding, in some rows). What the first probe's narrow range cannot tell: a bend
-# of a batch statistic outside (0.2, 0.8) (relu(mean(y)), min(mse, 1)), a normalization by
-# the labels of the batch (a masked mean, class-balanced weights), per-row values that vary
-# between micro-batches (a cross-entropy divided by the batch's sum of sample weights).
+# The probes after the first, eager only, each on other outputs and int labels: what the
+# first probe's narrow range and labels of 0 cannot tell. 'wide' (floats from 0.1 to 4) and
+# 'signed' (of either sign): a bend of a batch statistic outside (0.2, 0.8) (relu(mean(y)),
+# min(mse, 1)), per-row values that vary between micro-batches (a cross-entropy divided by
+# the batch's sum of sample weights). Labels with a share of marked elements that varies
+# between micro-batches: a normalization by the batch's labels (class weights from label
+# counts; a masked mean ignoring padding: -1, -100 as in PyTorch, 255 as a segmentation's
+# void). 'binary' floats, 0 and 1, are masks as real ones are: (value, weight) pairs are
+# probed on those only (a mean over a float mask weighed by its count of non-zeros merges
+# on 0s and 1s, not on random floats).
+# (floats, label elements unmarked, marked, whether pairs are probed).
+_FURTHER_PROBES = (('wide', 1, 2, False), ('signed', 0, -1, False), ('binary', 0, -1, True),
+                   ('binary', 0, -100, True), ('binary', 0, 255, True))
+_FLOATS = {'wide': 'outputs from 0.1 to 4', 'signed': 'outputs of either sign',
+           'binary': 'outputs of 0 and 1'}
 _FURTHER_PARTS = 8
 # The further probes' batch holds no more rows than the first's, or than make this many
 # numbers (64 MB of float32): a language model's logits may hold 16M numbers a row.
 _FURTHER_NUMBERS = 2**24
-_FURTHER_PROBES = {'wide': 'outputs from 0.1 to 4 and int labels 0 and 1',
-                   'signed': 'outputs of either sign and int labels 0 and -1'}
 
 
-def _FurtherProbeInput(like, sizes, batch_dim, index, kind, widen):
-  """Values shaped like micro-batch tensor `like` for one of _FURTHER_PROBES, for a batch
-  of micro-batches of `sizes` rows (3 or more each). Floats: each micro-batch has a
-  magnitude of its own, log-spaced from 0.1 to 4 in an order of the tensor's own (for
-  'signed', half of them negative), and spreads its values over a random share of it, so
-  per-row values differ between micro-batches. Ints: a share of each micro-batch's rows,
-  its own, holds 1 ('wide') or -1 ('signed'); the others 0."""
+def _Marked(shape, batch_dim, sizes, rng):
+  """A bool array of `shape` marking, in each part of `sizes` rows along batch_dim, a
+  share of its elements: from 0.1 to 0.9, each part its own, rounded (a part of few
+  elements may have none or all marked: padding only, say)."""
+  moved = [shape[batch_dim]] + shape[:batch_dim] + shape[batch_dim + 1:]
+  per_row = int(np.prod(moved[1:]))
+  parts = []
+  for rows, share in zip(sizes, rng.permutation(np.linspace(0.1, 0.9, len(sizes)))):
+    count = rows * per_row
+    marks = int(np.floor(share * count + 0.5))
+    flat = np.zeros(count, bool)
+    flat[rng.permutation(count)[:marks]] = True
+    parts.append(flat.reshape([rows] + moved[1:]))
+  return np.moveaxis(np.concatenate(parts), 0, batch_dim)
+
+
+def _FurtherProbeInput(like, sizes, batch_dim, index, probe, widen):
+  """Values shaped like micro-batch tensor `like` (the index-th of loss_fn's flattened
+  tensors) for _FURTHER_PROBES[probe], for a batch of parts of `sizes` rows. 'wide' and
+  'signed' floats: each part has a magnitude of its own, log-spaced from 0.1 to 4 in an
+  order of the tensor's own ('signed': half of them negative), and spreads its values over
+  a random share of it, so per-row values differ between parts. 'binary': 0 or 1, 1 with a
+  probability of each part's own. Ints: _Marked elements hold the probe's marked value
+  (within the dtype's range), the others its unmarked one."""
+  kind, unmarked, marked, _ = _FURTHER_PROBES[probe]
   parts = len(sizes)
-  rng = np.random.default_rng([list(_FURTHER_PROBES).index(kind), index])
+  rng = np.random.default_rng([probe, index])
   shape = like.shape.as_list()
   shape[batch_dim] = sum(sizes)
   rows = [-1 if d == batch_dim else 1 for d in range(len(shape))]
-  if not like.dtype.is_floating:
-    shares = rng.permutation(np.linspace(0.2, 0.6, parts))
-    marked = np.concatenate([np.arange(n) < max(1, round(f * n)) for n, f in zip(sizes, shares)])
-    signed = kind == 'signed' and like.dtype.is_integer and not like.dtype.is_unsigned
-    labels = np.where(marked, -1 if signed else 1, 0).reshape(rows)
-    return tf.cast(np.broadcast_to(labels, shape), like.dtype)
-  centers = rng.permutation(0.1 * 40.0**(np.arange(parts) / max(parts - 1, 1)))
-  if kind == 'signed':
-    centers *= rng.permutation(np.where(np.arange(parts) % 2 == 0, 1.0, -1.0))
-  spreads = np.abs(centers) * rng.uniform(0.2, 1.0, parts)
-  noise = rng.random(shape, np.float32) * 2 - 1  # float32: the batch may be large.
-  values = (np.repeat(centers, sizes).reshape(rows).astype(np.float32) +
-            np.repeat(spreads, sizes).reshape(rows).astype(np.float32) * noise)
+  if like.dtype.is_bool:
+    return tf.constant(_Marked(shape, batch_dim, sizes, rng))
+  if like.dtype.is_integer:
+    values = np.clip([unmarked, marked], like.dtype.min, like.dtype.max)
+    return tf.cast(np.where(_Marked(shape, batch_dim, sizes, rng), values[1], values[0]),
+                   like.dtype)
+  if not like.dtype.is_floating:  # Strings, say: as the first probe's.
+    return tf.zeros(shape, like.dtype)
+  noise = rng.random(shape, np.float32)  # float32: the batch may be large.
+  if kind == 'binary':
+    shares = rng.permutation(np.linspace(0.2, 0.8, parts))
+    values = (noise < np.repeat(shares, sizes).reshape(rows)).astype(np.float32)
+  else:
+    centers = rng.permutation(0.1 * 40.0**(np.arange(parts) / max(parts - 1, 1)))
+    if kind == 'signed':
+      centers *= rng.permutation(np.where(np.arange(parts) % 2 == 0, 1.0, -1.0))
+    spreads = np.abs(centers) * rng.uniform(0.2, 1.0, parts)
+    values = (np.repeat(centers, sizes).reshape(rows).astype(np.float32) +
+              np.repeat(spreads, sizes).reshape(rows).astype(np.float32) * (noise * 2 - 1))
   dtype = like.dtype if like.dtype == tf.float64 or not widen else tf.float32
   return tf.cast(values, dtype)
 
@@ -156,11 +186,17 @@ def _Tolerance(value):
 
 def _Combination(whole, parts, sizes, tolerance):
   """'sum' or 'mean' if the whole batch's value is the sum of the micro-batches' values or
-  their mean weighted by their sizes, else None; '' if the values cannot tell (all zero,
-  not all finite, or the sum and the mean alike, as for a value near 0)."""
+  their mean weighted by their sizes, else None (also for a finite whole of micro-batch
+  values that are not: a mean over a mask that leaves a micro-batch nothing); '' if the
+  values cannot tell (all zero, the whole not finite, or the sum and the mean alike, as for
+  a value near 0)."""
   whole, parts = float(whole), np.asarray(parts, np.float64)
+  if not np.isfinite(whole):
+    return ''
+  if not np.all(np.isfinite(parts)):
+    return None
   scale = max(abs(whole), float(np.abs(parts).max()))
-  if not np.all(np.isfinite(parts)) or not np.isfinite(scale) or scale == 0.0:
+  if scale == 0.0:
     return ''
   matches = [rule for rule, value in (('sum', parts.sum()),
                                       ('mean', np.average(parts, weights=sizes)))
@@ -236,9 +272,9 @@ class MicroBatchLoss:
   schedule gives the loss and gradients that loss_fn gives on the whole batch.
 
   The probe runs eagerly, once per trace, on outputs within (0.2, 0.8) and int
-  labels of 0, then on each of _FURTHER_PROBES (wider and signed outputs, labels
-  1 and -1); a probe whose values are not finite, or that loss_fn fails on,
-  tells nothing. A loss that reads tensors of the step being traced (a scale
+  labels of 0, then on each of _FURTHER_PROBES (wider, signed and 0/1 outputs;
+  labels marking padding or other classes); a probe whose whole-batch value is
+  not finite, or that loss_fn fails on, tells nothing. A loss that reads tensors of the step being traced (a scale
   computed from the step, say) cannot run eagerly: it is probed in the step's
   graph instead, on the first probe's outputs only, every time the step runs
   (num_parts + 1 more loss_fn calls), and a loss that does not merge fails the
@@ -266,6 +302,8 @@ class MicroBatchLoss:
     self._uneven = not self._static or batch_size % num_parts != 0
     # Name -> 'sum', 'mean' or, known when the step runs, (is_sum, told, message).
     self._rules = {}
+    # Name -> the probe that told its rule ('' the first).
+    self._told_by = {}
     # _Checks of a probe in the step's graph, guarding every micro-batch's metrics.
     self._checks = []
     self._probed = False
@@ -329,29 +367,23 @@ class MicroBatchLoss:
         raise ValueError(self._Untold(name))
 
   def _ProbeFurther(self, args, rows):
-    """Probes loss_fn eagerly on each of _FURTHER_PROBES (if their batch is not too large
-    beside the first probe's of `rows` rows)."""
+    """Probes loss_fn eagerly on each of _FURTHER_PROBES, on a batch no larger than the
+    first probe's of `rows` rows where rows are large."""
     sizes = self._FurtherSizes(args, rows)
-    if sizes is None:
-      logging.warning('The loss probe ran on outputs within (0.2, 0.8) only: the outputs of '
-                      '%s are too large for its further probes on a few rows, so a loss that '
-                      'bends outside that range or normalizes by int labels is not refused.',
-                      self._schedule)
-      return
-    for kind, inputs in _FURTHER_PROBES.items():
+    for probe, (kind, unmarked, marked, pairs) in enumerate(_FURTHER_PROBES if sizes else ()):
       try:
-        values, _ = self._ProbeAnyhow(args, sizes, kind)
+        values, _ = self._ProbeAnyhow(args, sizes, probe)
       except ValueError:  # _Call's: loss_fn failed on this probe's outputs or labels.
         continue
-      self._ProbeMetrics(values, sizes, False, f' on {inputs}', pairs=True)
+      where = f' on {_FLOATS[kind]} and int labels {unmarked} and {marked}'
+      self._ProbeMetrics(values, sizes, False, where, pairs=pairs)
 
   def _FurtherSizes(self, args, rows):
-    """The further probes' parts: 8 or more of 4 rows each (so that each holds labels of
-    both values; a loss that merges, merges for any split, and more parts than
-    micro-batches tell more bends of a batch statistic), else num_parts of 4 or 3, one row
-    more in some if micro-batches differ in size; within the larger of `rows` and
-    _FURTHER_NUMBERS numbers of loss_fn's arguments. None if none fits, or the size of a
-    row is unknown."""
+    """The further probes' parts: 8 or more of 4 rows each (a loss that merges, merges for
+    any split, and more parts than micro-batches tell more bends of a batch statistic),
+    else num_parts of 4, 3, 2 or 1 rows, one row more in some if micro-batches differ in
+    size; within the larger of `rows` (num_parts or more) and _FURTHER_NUMBERS numbers of
+    loss_fn's arguments. None if the size of a row is unknown."""
     per_row = 0
     for x in tf.nest.flatten(args):
       if isinstance(x, tf.Tensor):
@@ -362,39 +394,39 @@ class MicroBatchLoss:
         per_row += int(np.prod(shape))
     limit = max(rows, _FURTHER_NUMBERS // max(per_row, 1))
     extra = int(self._uneven)
-    for parts, each in ((max(self._num_parts, _FURTHER_PARTS), 4), (self._num_parts, 4),
-                        (self._num_parts, 3)):
-      if parts * each + extra <= limit:
-        return microbatch.Sizes(parts * each + extra, parts)
-    return None
+    candidates = [(max(self._num_parts, _FURTHER_PARTS), 4)] + [
+        (self._num_parts, each) for each in (4, 3, 2, 1)]
+    parts, each = next(((p, e) for p, e in candidates if p * e + extra <= limit),
+                       candidates[-1])
+    return microbatch.Sizes(parts * each + extra, parts)
 
-  def _ProbeAnyhow(self, args, sizes, kind=None):
+  def _ProbeAnyhow(self, args, sizes, probe=None):
     """(values, whether in the step's graph): eagerly if loss_fn runs so, else (it reads
     tensors of the step; the first probe only) in the graph; 16-bit floats as float32 if
     loss_fn takes them."""
     half = any(x.dtype in (tf.bfloat16, tf.float16) for x in tf.nest.flatten(args)
                if isinstance(x, tf.Tensor))
-    graph = kind is None and not tf.executing_eagerly()
+    graph = probe is None and not tf.executing_eagerly()
     attempts = [(when_run, widen)
                 for when_run in ((False, True) if graph else (False,))
                 for widen in ((True, False) if half else (False,))]
     for i, (when_run, widen) in enumerate(attempts):
       try:
         with contextlib.nullcontext() if when_run else tf.init_scope():
-          return self._ProbeValues(args, sizes, widen, kind), when_run
+          return self._ProbeValues(args, sizes, widen, probe), when_run
       except ValueError:  # _Call's: loss_fn failed.
         if i + 1 == len(attempts):
           raise
 
-  def _ProbeValues(self, args, sizes, widen, kind):
+  def _ProbeValues(self, args, sizes, widen, probe):
     """loss_fn's values on random outputs of a whole batch, then of its micro-batches: the
-    first probe's (kind None) or those of _FURTHER_PROBES[kind]."""
+    first probe's (probe None) or those of _FURTHER_PROBES[probe]."""
     index = itertools.count()
 
     def Input(x):
-      if kind is None:
+      if probe is None:
         return _ProbeInput(x, sizes, self._batch_dim, next(index), widen)
-      return _FurtherProbeInput(x, sizes, self._batch_dim, next(index), kind, widen)
+      return _FurtherProbeInput(x, sizes, self._batch_dim, next(index), probe, widen)
 
     whole = tf.nest.map_structure(lambda x: Input(x) if isinstance(x, tf.Tensor) else x, args)
     parts = microbatch.Split(whole, len(sizes), self._batch_dim)
@@ -439,9 +471,12 @@ class MicroBatchLoss:
                                       f' ({np.average(parts, weights=sizes):.6g})'))
     if rule and known and rule != known:
       raise ValueError(self._Head() + f'{name!r} on a whole batch{where} ({whole:.6g}) is the '
-                       f'{rule} of its micro-batch values, but the {known} on outputs within '
-                       '(0.2, 0.8): ' + self._ADVICE)
-    self._rules[name] = known or rule
+                       f'{rule} of its micro-batch values, but the {known}'
+                       f'{self._told_by[name] or " on outputs within (0.2, 0.8)"}: ' +
+                       self._ADVICE)
+    if rule and not known:
+      self._rules[name], self._told_by[name] = rule, where
+    self._rules.setdefault(name, '')
 
   def _ProbePair(self, name, pair, parts, sizes, when_run, where):
     value, weight = pair
@@ -459,9 +494,11 @@ class MicroBatchLoss:
       return  # No item to weigh in the probe's outputs: the pair's definition stands.
     products = np.where(parts[:, 1] == 0, 0.0, parts[:, 0] * parts[:, 1])
     value, merged = _Floats(value), float(np.sum(products) / total)
-    # Micro-batch weights of either sign (sample weights on the signed probe) may cancel.
+    if not np.isfinite(value):
+      return  # The whole batch's value tells nothing.
+    # Weights of either sign (sample weights on a signed probe) may cancel in the total.
     scale = max(abs(value), abs(merged), float(np.sum(np.abs(products)) / abs(total)))
-    if np.isfinite(scale) and not abs(value - merged) <= tolerance * scale:
+    if not abs(value - merged) <= tolerance * scale:  # Also where a weighed value is NaN.
       raise ValueError(message.format(f' ({value:.6g}, weight {_Floats(weight):.6g})',
                                       f' ({merged:.6g})'))
 
