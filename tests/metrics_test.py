@@ -251,33 +251,31 @@ def testLossesThatMergeAreAcceptedAndMergeToTheWholeBatchsValue(num_parts, batch
 
 
 def testALossThatIsAMeanOnOneProbeAndASumOnAnotherIsRefused():
-  """A sum of the rows where no label is 0, else their mean: either rule would weigh some
-  batches wrong."""
-  def SumUnlessALabelIsZero(y, t):
-    return tf.reduce_sum(y) if int(tf.reduce_min(t)) >= 1 else tf.reduce_mean(y)
+  """A sum of the outputs where all are 0 or 1, else their mean: either rule would weigh
+  some batches wrong."""
+  def SumOfZerosAndOnes(y):
+    binary = bool(tf.reduce_all((y == 0.0) | (y == 1.0)))
+    return tf.reduce_sum(y) if binary else tf.reduce_mean(y)
 
-  with pytest.raises(ValueError, match=r'is the sum of its micro-batch values, but the mean on '
-                     r'outputs within \(0\.2, 0\.8\)'):
-    metrics.MicroBatchLoss(SumUnlessALabelIsZero, 4, 16, 0, '1f1b')(tf.ones([4, 8]),
-                                                               tf.zeros([4], tf.int32))
+  with pytest.raises(ValueError, match=r'outputs of 0 and 1 .* is the sum of its micro-batch '
+                     r'values, but the mean on outputs within \(0\.2, 0\.8\)'):
+    metrics.MicroBatchLoss(SumOfZerosAndOnes, 4, 16, 0, '1f1b')(tf.fill([4, 8], 0.5))
 
 
 def testTheFurtherProbesStayWithinTheirBudgetOfNumbers(monkeypatch):
-  """Outputs too large for 8 parts of 4 rows are probed on M parts of 4, 3, 2 or 1 rows,
-  no more than the first probe's batch: a masked mean is refused on those too. (The budget
-  is lowered here: a row holds 9 numbers, 8 logits and a label.)"""
+  """Outputs too large for 8 parts of 4 rows are probed on M parts of 4, 3, 2 or 1 rows: a
+  masked mean is refused on those too. (The budget is lowered here: a row holds 9 numbers,
+  8 logits and a label.)"""
   logits, labels = tf.ones([2, 8]), tf.zeros([2], tf.int32)  # M=4 of batch 8: 2 rows each.
   loss = metrics.MicroBatchLoss(lambda y, t: _MaskedMean(y, t), 4, 8, 0, '1f1b')
-  for numbers, rows, sizes in ((9 * 32, 8, [4] * 8), (9 * 16, 8, [4] * 4),
-                               (9 * 12, 8, [3] * 4), (9 * 11, 8, [2] * 4), (1, 8, [2] * 4),
-                               (1, 4, [1] * 4)):
+  for numbers, sizes in ((9 * 32, [4] * 8), (9 * 16, [4] * 4), (9 * 12, [3] * 4),
+                         (9 * 11, [2] * 4), (9 * 8, [2] * 4), (9 * 7, [1] * 4), (1, [1] * 4)):
     monkeypatch.setattr(metrics, '_FURTHER_NUMBERS', numbers)
-    assert loss._FurtherSizes((logits, labels), rows) == sizes
-  monkeypatch.setattr(metrics, '_FURTHER_NUMBERS', 1)
-  for batch in (8, 4):  # Parts of 2 rows, and of 1 (a part of padding only: 0 / 0).
+    assert loss._FurtherSizes((logits, labels)) == sizes
+  for numbers in (9 * 8, 1):  # Parts of 2 rows, and of 1 (a part of padding only: 0 / 0).
+    monkeypatch.setattr(metrics, '_FURTHER_NUMBERS', numbers)
     with pytest.raises(ValueError, match='is neither the sum'):
-      metrics.MicroBatchLoss(lambda y, t: _MaskedMean(y, t), 4, batch, 0, '1f1b')(
-          logits[:batch // 4], labels[:batch // 4])
+      metrics.MicroBatchLoss(lambda y, t: _MaskedMean(y, t), 4, 8, 0, '1f1b')(logits, labels)
 
 
 def testLossesOfMasksLengthsAndGradesThatMergeAreAccepted():

@@ -107,12 +107,12 @@ def _ProbeInput(like, sizes, batch_dim, index, widen):
 # min(mse, 1)), per-row values that vary between micro-batches (a cross-entropy divided by
 # the batch's sum of sample weights). Labels with a share of marked elements that varies
 # between micro-batches: a normalization by the batch's labels (class weights from label
-# counts; a masked mean ignoring padding: -1, -100 as in PyTorch, 255 as a segmentation's
-# void). 'binary' floats, 0 and 1, are masks as real ones are: (value, weight) pairs are
+# counts; a masked mean ignoring padding: 0 as BERT's, -1, -100 as in PyTorch, 255 as a
+# segmentation's void); labels of 1 and 2 for a loss dividing by them (sequence lengths). 'binary' floats, 0 and 1, are masks as real ones are: (value, weight) pairs are
 # probed on those only (a mean over a float mask weighed by its count of non-zeros merges
 # on 0s and 1s, not on random floats).
 # (floats, label elements unmarked, marked, whether pairs are probed).
-_FURTHER_PROBES = (('wide', 1, 2, False), ('signed', 0, -1, False), ('binary', 0, -1, True),
+_FURTHER_PROBES = (('wide', 0, 1, False), ('signed', 1, 2, False), ('binary', 0, -1, True),
                    ('binary', 0, -100, True), ('binary', 0, 255, True))
 _FLOATS = {'wide': 'outputs from 0.1 to 4', 'signed': 'outputs of either sign',
            'binary': 'outputs of 0 and 1'}
@@ -160,17 +160,20 @@ def _FurtherProbeInput(like, sizes, batch_dim, index, probe, widen):
                    like.dtype)
   if not like.dtype.is_floating:  # Strings, say: as the first probe's.
     return tf.zeros(shape, like.dtype)
-  noise = rng.random(shape, np.float32)  # float32: the batch may be large.
+  def PerRow(per_part):
+    return np.repeat(per_part, sizes).reshape(rows).astype(np.float32)
+
+  # TensorFlow's random ops, not numpy's: the batch may be large (a language model's
+  # logits), and they make no float64 or other full-size temporaries.
+  noise = tf.random.stateless_uniform(shape, [probe, index], -1.0, 1.0, tf.float32)
   if kind == 'binary':
-    shares = rng.permutation(np.linspace(0.2, 0.8, parts))
-    values = (noise < np.repeat(shares, sizes).reshape(rows)).astype(np.float32)
+    values = tf.cast(noise < PerRow(rng.permutation(np.linspace(-0.6, 0.6, parts))), tf.float32)
   else:
     centers = rng.permutation(0.1 * 40.0**(np.arange(parts) / max(parts - 1, 1)))
     if kind == 'signed':
       centers *= rng.permutation(np.where(np.arange(parts) % 2 == 0, 1.0, -1.0))
     spreads = np.abs(centers) * rng.uniform(0.2, 1.0, parts)
-    values = (np.repeat(centers, sizes).reshape(rows).astype(np.float32) +
-              np.repeat(spreads, sizes).reshape(rows).astype(np.float32) * (noise * 2 - 1))
+    values = PerRow(centers) + PerRow(spreads) * noise
   dtype = like.dtype if like.dtype == tf.float64 or not widen else tf.float32
   return tf.cast(values, dtype)
 
@@ -343,7 +346,7 @@ class MicroBatchLoss:
   def _Call(self, *args):
     try:
       return self._loss_fn(*args)
-    except (ValueError, TypeError, tf.errors.OpError) as e:
+    except (ValueError, TypeError, AssertionError, tf.errors.OpError) as e:
       raise ValueError(f'schedule={self._schedule!r} calls loss_fn on each micro-batch\'s '
                        'outputs alone (a loss must read nothing but them), and it failed on '
                        f'them: {e}') from None
@@ -359,17 +362,17 @@ class MicroBatchLoss:
     when_run = False
     if _Scalars(value) or self._uneven:
       values, when_run = self._ProbeAnyhow(args, sizes)
-      self._ProbeMetrics(values, sizes, when_run, '', pairs=self._uneven)
+      # Pairs are probed on 0/1 outputs, as masks are, eagerly; in the graph on these.
+      self._ProbeMetrics(values, sizes, when_run, '', pairs=self._uneven and when_run)
     if not when_run:
-      self._ProbeFurther(args, sum(sizes))
+      self._ProbeFurther(args)
     for name, rule in self._rules.items():
       if rule == '':
         raise ValueError(self._Untold(name))
 
-  def _ProbeFurther(self, args, rows):
-    """Probes loss_fn eagerly on each of _FURTHER_PROBES, on a batch no larger than the
-    first probe's of `rows` rows where rows are large."""
-    sizes = self._FurtherSizes(args, rows)
+  def _ProbeFurther(self, args):
+    """Probes loss_fn eagerly on each of _FURTHER_PROBES."""
+    sizes = self._FurtherSizes(args)
     for probe, (kind, unmarked, marked, pairs) in enumerate(_FURTHER_PROBES if sizes else ()):
       try:
         values, _ = self._ProbeAnyhow(args, sizes, probe)
@@ -378,12 +381,12 @@ class MicroBatchLoss:
       where = f' on {_FLOATS[kind]} and int labels {unmarked} and {marked}'
       self._ProbeMetrics(values, sizes, False, where, pairs=pairs)
 
-  def _FurtherSizes(self, args, rows):
+  def _FurtherSizes(self, args):
     """The further probes' parts: 8 or more of 4 rows each (a loss that merges, merges for
     any split, and more parts than micro-batches tell more bends of a batch statistic),
     else num_parts of 4, 3, 2 or 1 rows, one row more in some if micro-batches differ in
-    size; within the larger of `rows` (num_parts or more) and _FURTHER_NUMBERS numbers of
-    loss_fn's arguments. None if the size of a row is unknown."""
+    size; within _FURTHER_NUMBERS numbers of loss_fn's arguments, or num_parts rows. None
+    if the size of a row is unknown."""
     per_row = 0
     for x in tf.nest.flatten(args):
       if isinstance(x, tf.Tensor):
@@ -392,7 +395,7 @@ class MicroBatchLoss:
         if None in shape:
           return None
         per_row += int(np.prod(shape))
-    limit = max(rows, _FURTHER_NUMBERS // max(per_row, 1))
+    limit = max(self._num_parts, _FURTHER_NUMBERS // max(per_row, 1))
     extra = int(self._uneven)
     candidates = [(max(self._num_parts, _FURTHER_PARTS), 4)] + [
         (self._num_parts, each) for each in (4, 3, 2, 1)]
