@@ -278,18 +278,19 @@ def testTheFurtherProbesStayWithinTheirBudgetOfNumbers(monkeypatch):
       metrics.MicroBatchLoss(lambda y, t: _MaskedMean(y, t), 4, 8, 0, '1f1b')(logits, labels)
 
 
-def testLossesOfMasksLengthsAndGradesThatMergeAreAccepted():
+@pytest.mark.parametrize('batch', [16, 10])
+def testLossesOfMasksLengthsAndGradesThatMergeAreAccepted(batch):
   """Found refused by review: a mean over a float 0/1 mask weighed by its non-zeros (pairs
   are probed on outputs of 0 and 1, as masks are), a mean of per-sequence means over int
   lengths (0 on the first probe: a division by 0), a pairwise loss over int relevance
   grades (labels that vary within a row), and a loss given a string tensor. Each merges
-  to the whole batch's value on data of their kind."""
+  to the whole batch's value on data of their kind, in even micro-batches and uneven."""
   rng = np.random.default_rng(7)
-  logits = tf.constant(rng.normal(size=[16, 5]), tf.float32)
-  mask = tf.constant(rng.uniform(size=[16]) < 0.6, tf.float32)
-  lengths = tf.constant(rng.integers(1, 6, 16), tf.int32)
-  grades = tf.constant(rng.integers(0, 4, [16, 5]), tf.int32)
-  keys = tf.constant(['k'] * 16)
+  logits = tf.constant(rng.normal(size=[batch, 5]), tf.float32)
+  mask = tf.constant(rng.uniform(size=[batch]) < 0.6, tf.float32)
+  lengths = tf.constant(rng.integers(1, 6, batch), tf.int32)
+  grades = tf.constant(rng.integers(0, 4, [batch, 5]), tf.int32)
+  keys = tf.constant(['k'] * batch)
 
   def RankNet(s, rel):
     before = tf.cast(rel[:, :, None] > rel[:, None, :], s.dtype)
@@ -305,8 +306,9 @@ def testLossesOfMasksLengthsAndGradesThatMergeAreAccepted():
       'with a string tensor': (lambda y, k: tf.reduce_mean(tf.square(y)), (logits, keys)),
   }
   for name, (loss_fn, whole) in cases.items():
-    wrapped = metrics.MicroBatchLoss(loss_fn, 4, 16, 0, '1f1b')
-    parts = zip(*(tf.split(x, 4) for x in whole))
+    wrapped = metrics.MicroBatchLoss(loss_fn, 4, batch, 0, '1f1b')
+    parts = zip(*(tf.split(x, [len(p) for p in np.array_split(range(batch), 4)])
+                  for x in whole))
     merged = metrics.MergeMetrics([metrics.AsMetrics(wrapped(*part)) for part in parts])
     expected = loss_fn(*whole)
     expected = expected[0] if isinstance(expected, tuple) else expected
@@ -323,3 +325,22 @@ def testAMaskedMeanIgnoringAVoidLabelOf255IsRefused():
   with pytest.raises(ValueError, match='int labels 0 and 255 .* is neither the sum'):
     metrics.MicroBatchLoss(VoidMaskedMean, 4, 16, 0, '1f1b')(tf.ones([4, 3]),
                                                            tf.zeros([4], tf.uint8))
+
+
+def testAMeanOverLabelsOtherThanZeroIsRefused():
+  """Label 0 as padding (BERT's) or background, with a cross-entropy that fails on the
+  labels -1, -100 and 255 of 3 classes: only a probe mixing 0 with a valid class tells it
+  (one was accepted with the mean's rule: 3.3894 against the whole batch's 3.7783)."""
+  def MeanOverNonZero(logits, labels):
+    mask = tf.cast(labels != 0, logits.dtype)
+    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+    return tf.reduce_sum(xent * mask) / tf.reduce_sum(mask)
+
+  rng = np.random.default_rng(2)
+  logits = tf.constant(rng.normal(size=[16, 3]), tf.float32)
+  labels = tf.constant([0, 0, 0, 1, 0, 2, 1, 0, 1, 2, 2, 1, 2, 1, 0, 2], tf.int32)
+  merged = np.mean([float(MeanOverNonZero(y, t))
+                    for y, t in zip(tf.split(logits, 4), tf.split(labels, 4))])
+  assert abs(merged - float(MeanOverNonZero(logits, labels))) > 1e-2  # It does not merge.
+  with pytest.raises(ValueError, match='int labels 0 and 1 .* is neither the sum'):
+    metrics.MicroBatchLoss(MeanOverNonZero, 4, 16, 0, '1f1b')(logits[:4], labels[:4])
