@@ -37,6 +37,7 @@ import importlib.util
 import os
 import pkgutil
 import sys
+import weakref
 
 from absl import logging
 
@@ -48,8 +49,9 @@ _PROJECT_PARAMS = 'lingvo_gpipe.params'
 
 # Key -> registered SingleTaskModelParams subclass.
 _REGISTRY = {}
-# Key -> the frame (a params file's execution) that registered it.
-_REGISTERED_IN = {}
+# Key -> a weak reference to the module code (a params file's execution) that registered
+# it: a reload or another import of the file runs new code; weak, so that it keeps nothing.
+_REGISTERED_BY = {}
 # Import errors of params files already warned of.
 _WARNED = set()
 
@@ -95,12 +97,16 @@ def RegisterSingleTaskModel(cls):
   if old is not None and not _IsSameFile(old, cls):
     raise ValueError(f'Model key {key!r} of {_SourceOf(cls)} is already registered by '
                      f'{_SourceOf(old)}.')
-  frame = sys._getframe(1)  # pylint: disable=protected-access
-  if old is not None and _REGISTERED_IN.get(key) is frame:
+  code = sys._getframe(1).f_code  # pylint: disable=protected-access
+  registered_by = _REGISTERED_BY.get(key)
+  if old not in (None, cls) and registered_by is not None and registered_by() is code:
     raise ValueError(f'{_SourceOf(cls)} defines two models named {cls.__name__}: the second '
                      f'would replace the first under {key!r}; rename one.')
   _REGISTRY[key] = cls
-  _REGISTERED_IN[key] = frame
+  if code.co_name == '<module>':  # A function's code runs again for each call: no check.
+    _REGISTERED_BY[key] = weakref.ref(code)
+  else:
+    _REGISTERED_BY.pop(key, None)
   return cls
 
 

@@ -147,6 +147,35 @@ def testTwoModelsOfOneNameInOneFileAreAnError(tmp_path):
     model_registry.ImportParams(tmp_path)
 
 
+def testRegisteringFromAFunctionKeepsNothingAndOneClassTwiceIsFine(tmp_path):
+  """A params file imported from a function keeps none of its locals alive (the check of
+  names registered twice in one execution held the frames, and through them the callers'
+  objects); one class registered twice, or from a function called twice, is no error."""
+  import gc  # pylint: disable=g-import-not-at-top
+  import weakref  # pylint: disable=g-import-not-at-top
+  _WriteModel(tmp_path, 'mt/kept.py', 'Kept')
+
+  class Big:
+    pass
+
+  def Load():
+    big = Big()
+    model_registry.ImportParams(tmp_path)
+    return weakref.ref(big)
+
+  ref = Load()
+  gc.collect()
+  assert ref() is None
+  cls = model_registry.GetClass('mt.kept.Kept')
+  assert model_registry.RegisterSingleTaskModel(cls) is cls
+
+  def Define():
+    return type('Kept', (cls,), {'__module__': cls.__module__})
+
+  for _ in range(2):
+    model_registry.RegisterSingleTaskModel(Define())
+
+
 def testRegisterRejectsNonSubclasses():
   with pytest.raises(TypeError, match='expects a subclass of .*SingleTaskModelParams; got'):
 
