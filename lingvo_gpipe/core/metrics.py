@@ -362,8 +362,9 @@ class MicroBatchLoss:
     when_run = False
     if _Scalars(value) or self._uneven:
       values, when_run = self._ProbeAnyhow(args, sizes)
-      # Pairs are probed on 0/1 outputs, as masks are, eagerly; in the graph on these.
-      self._ProbeMetrics(values, sizes, when_run, '', pairs=self._uneven and when_run)
+      # On uneven micro-batches, pairs too: the 0/1 outputs of the further probes leave
+      # many losses the same in every part, (mean, 1) say, where weights tell nothing.
+      self._ProbeMetrics(values, sizes, when_run, '', pairs=self._uneven)
     if not when_run:
       self._ProbeFurther(args)
     for name, rule in self._rules.items():
