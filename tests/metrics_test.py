@@ -235,19 +235,26 @@ _MERGING = {
 }
 
 
+def _AssertMergesToTheWholeBatchs(loss_fn, whole, num_parts, name):
+  """loss_fn's metrics on num_parts micro-batches of `whole`, wrapped by MicroBatchLoss and
+  merged, equal its value on `whole` (1e-5)."""
+  batch = int(whole[0].shape[0])
+  wrapped = metrics.MicroBatchLoss(loss_fn, num_parts, batch, 0, '1f1b')
+  sizes = [len(p) for p in np.array_split(np.arange(batch), num_parts)]
+  parts = zip(*(tf.split(x, sizes) for x in whole))
+  merged = metrics.MergeMetrics([metrics.AsMetrics(wrapped(*part)) for part in parts])
+  expected = loss_fn(*whole)
+  expected = expected[0] if isinstance(expected, tuple) else expected
+  np.testing.assert_allclose(float(merged.loss[0]), float(expected), rtol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize('num_parts,batch', [(2, 8), (3, 7), (4, 16), (8, 8)])
 def testLossesThatMergeAreAcceptedAndMergeToTheWholeBatchsValue(num_parts, batch):
   """Sums, means and pairs, plain and Keras, pass every probe; their micro-batch metrics
   merge to the whole batch's value on random data of either sign with padding labels."""
   whole = _Batch(batch, seed=5)
   for name, loss_fn in {**_MERGING, **_KerasLosses()}.items():
-    wrapped = metrics.MicroBatchLoss(loss_fn, num_parts, batch, 0, '1f1b')
-    parts = zip(*(tf.split(x, [len(p) for p in np.array_split(np.arange(batch), num_parts)])
-                  for x in whole))
-    merged = metrics.MergeMetrics([metrics.AsMetrics(wrapped(*part)) for part in parts])
-    expected = loss_fn(*whole)
-    expected = expected[0] if isinstance(expected, tuple) else expected
-    np.testing.assert_allclose(float(merged.loss[0]), float(expected), rtol=1e-5, err_msg=name)
+    _AssertMergesToTheWholeBatchs(loss_fn, whole, num_parts, name)
 
 
 def testALossThatIsAMeanOnOneProbeAndASumOnAnotherIsRefused():
@@ -312,13 +319,7 @@ def testLossesOfMasksLengthsAndGradesThatMergeAreAccepted(batch):
     with pytest.raises(ValueError, match='is not the weighted mean'):
       metrics.MicroBatchLoss(loss_fn, 4, batch, 0, '1f1b')(*(x[:3] for x in whole))
   for name, (loss_fn, whole) in cases.items():
-    wrapped = metrics.MicroBatchLoss(loss_fn, 4, batch, 0, '1f1b')
-    parts = zip(*(tf.split(x, [len(p) for p in np.array_split(range(batch), 4)])
-                  for x in whole))
-    merged = metrics.MergeMetrics([metrics.AsMetrics(wrapped(*part)) for part in parts])
-    expected = loss_fn(*whole)
-    expected = expected[0] if isinstance(expected, tuple) else expected
-    np.testing.assert_allclose(float(merged.loss[0]), float(expected), rtol=1e-5, err_msg=name)
+    _AssertMergesToTheWholeBatchs(loss_fn, whole, 4, name)
 
 
 def testAMaskedMeanIgnoringAVoidLabelOf255IsRefused():

@@ -117,8 +117,8 @@ _FURTHER_PROBES = (('wide', 0, 1, False), ('signed', 1, 2, False), ('binary', 0,
 _FLOATS = {'wide': 'outputs from 0.1 to 4', 'signed': 'outputs of either sign',
            'binary': 'outputs of 0 and 1'}
 _FURTHER_PARTS = 8
-# The further probes' batch holds no more rows than the first's, or than make this many
-# numbers (64 MB of float32): a language model's logits may hold 16M numbers a row.
+# The further probes' batch holds no more than this many numbers (64 MB of float32), or
+# num_parts rows: a language model's logits may hold 16M numbers a row.
 _FURTHER_NUMBERS = 2**24
 
 
