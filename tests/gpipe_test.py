@@ -767,6 +767,24 @@ def testEveryScheduleGivesTheWholeBatchLossOfAScalarSumOrMean(sched):
     _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
 
 
+def testAnEagerLoopProbesItsLossOnceAndEveryStepEqualsThePlainModel():
+  """The probe calls loss_fn dozens of times: an eager loop pays it at its first step, and
+  again for a batch of another size, then calls loss_fn once per micro-batch."""
+  pipe, calls = _Pipe(2, 4, sched='1f1b'), []
+
+  def Loss(y):
+    calls.append(y.shape[0])
+    return tf.reduce_mean(y ** 2)
+
+  for seed, rows, probed in ((1, BATCH, True), (2, BATCH, False), (3, 10, True),
+                             (4, 10, False)):
+    x = _Input(seed)[:rows]
+    del calls[:]
+    loss, _ = pipe.ForwardBackward(pipe.theta, x, Loss)
+    assert _RelErr(loss, tf.reduce_mean(_Reference(pipe, x) ** 2)) <= 1e-5
+    assert (len(calls) > 4) == probed, (seed, calls)
+
+
 def testAMicroBatchScheduleRefusesALossThatDoesNotDecompose():
   pipe = _Pipe(2, 4, sched='1f1b')
   x = _Input()

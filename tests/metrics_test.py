@@ -1,6 +1,8 @@
 """Tests of metrics: merging (value, weight) pairs and the probe of per-micro-batch losses."""
 
+import gc
 import itertools
+import weakref
 
 import numpy as np
 import pytest
@@ -351,3 +353,67 @@ def testAMeanOverLabelsOtherThanZeroIsRefused():
   assert abs(merged - float(MeanOverNonZero(logits, labels))) > 1e-2  # It does not merge.
   with pytest.raises(ValueError, match='int labels 0 and 1 .* is neither the sum'):
     metrics.MicroBatchLoss(MeanOverNonZero, 4, 16, 0, '1f1b')(logits[:4], labels[:4])
+
+
+class _Counted:
+  """A loss (a bound method) that counts its calls."""
+
+  def __init__(self, loss_fn):
+    self.calls = 0
+    self._loss_fn = loss_fn
+
+  def Loss(self, *args):
+    self.calls += 1
+    return self._loss_fn(*args)
+
+
+def testAVerdictIsKeptPerLossFunctionAndSignatureAndHoldsNoLossAlive():
+  """A kept verdict spares every probe: the loss is called once, on its micro-batch, with
+  the rule the probes found; another owner, batch or shape is probed again; the verdicts
+  keep no loss (nor its owner) alive."""
+  verdicts = metrics.LossVerdicts()
+  part = tf.ones([4, 8])
+
+  def Call(loss, x, batch=16):
+    return [float(v) for v in metrics.MicroBatchLoss(loss.Loss, 4, batch, 0, '1f1b',
+                                                     verdicts)(x)]
+
+  mean, total = _Counted(tf.reduce_mean), _Counted(tf.reduce_sum)
+  assert Call(mean, part) == [1.0, 0.25] and mean.calls > 10  # Probed.
+  assert Call(total, part) == [128.0, 0.25] and total.calls > 10  # Another owner: probed.
+  for loss, want in ((mean, [1.0, 0.25]), (total, [128.0, 0.25])):
+    before = loss.calls
+    assert Call(loss, part) == want and loss.calls == before + 1  # Kept: no probe.
+  for x, batch in ((part, 18), (tf.ones([4, 5]), 16)):  # Another batch, another shape.
+    before = mean.calls
+    Call(mean, x, batch)
+    assert mean.calls > before + 1
+  owner = _Counted(tf.reduce_mean)
+  Call(owner, part)
+  gone = weakref.ref(owner)
+  del owner
+  gc.collect()
+  assert gone() is None
+
+
+def testARefusedLossIsRefusedAgainAndAStepGraphsCheckIsNotKept():
+  """Only a verdict found eagerly is kept: a refusal is not (the loss is probed and
+  refused again), nor a loss probed in the step's graph (its checks run with each step)."""
+  verdicts = metrics.LossVerdicts()
+  for _ in range(2):
+    with pytest.raises(ValueError, match='is neither the sum'):
+      metrics.MicroBatchLoss(tf.reduce_max, 4, 16, 0, '1f1b', verdicts)(tf.ones([4, 8]))
+  scale, step = tf.Variable(2.0), {}
+
+  def Scaled(y):
+    return step['factor'] * tf.reduce_mean(y)
+
+  @tf.function
+  def Step(x):
+    step['factor'] = scale * 1.0  # A tensor of the step: the probe runs in its graph.
+    return metrics.MicroBatchLoss(Scaled, 4, 16, 0, '1f1b', verdicts)(x)
+
+  assert [float(v) for v in Step(tf.ones([4, 8]))] == [2.0, 0.25]
+  assert Scaled not in verdicts._by_owner  # pylint: disable=protected-access
+  verdicts.Put(Scaled, 'any', {})  # As the probe of an eager loss would.
+  assert Scaled in verdicts._by_owner  # pylint: disable=protected-access

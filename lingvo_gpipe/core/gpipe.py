@@ -172,6 +172,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     self._cell_functions = [[executor.CellFunctions(self, c, device, r) for c, device in
                              enumerate(self.ReplicaDevices(r))] for r in range(p.num_replicas)]
     self._clocks = executor.DeviceClocks(self._devices[:self.num_stages], self.path)
+    self._loss_verdicts = metrics_lib.LossVerdicts()  # A loss is probed once per signature.
 
   @property
   def devices(self):
@@ -396,7 +397,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     metrics = []  # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
     micro_loss_fn = None if sched.whole_batch_loss else metrics_lib.MicroBatchLoss(
         loss_fn, num * self.num_replicas, rows, self.params.batch_dim,
-        schedule_lib.Name(self.params.schedule))
+        schedule_lib.Name(self.params.schedule), self._loss_verdicts)
 
     def OnLoss(one, m):
       if one is None:  # L(*): the whole batch's loss, once over every replica.

@@ -5,7 +5,9 @@ several batches or micro-batches merge exactly as sum(value * weight) / sum(weig
 """
 
 import contextlib
+import inspect
 import itertools
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -258,6 +260,39 @@ def _Guarded(pair, checks):
   return value, tf.where(holds, weight, tf.constant(np.nan, value.dtype))
 
 
+class LossVerdicts:
+  """What MicroBatchLoss's probes found, per loss function and call signature: a loss is
+  probed once, as tf.function traces a function once per signature, not at every eager
+  ForwardBackward call (each probe calls loss_fn dozens of times). A PipeliningLayer keeps
+  one. Loss functions (a bound method's owner) are held weakly. A loss that behaves
+  otherwise on a later call of the same signature (it reads a Python flag, say) keeps its
+  first verdict, as it would keep its first trace."""
+
+  def __init__(self):
+    # loss_fn, or a bound method's owner -> {(its function, signature): verdict}.
+    self._by_owner = weakref.WeakKeyDictionary()
+
+  @staticmethod
+  def _Key(loss_fn):
+    if inspect.ismethod(loss_fn):
+      return loss_fn.__self__, loss_fn.__func__
+    return loss_fn, None
+
+  def Get(self, loss_fn, signature):
+    owner, function = self._Key(loss_fn)
+    try:
+      return self._by_owner.get(owner, {}).get((function, signature))
+    except TypeError:  # Not weakly referable, or not hashable: never kept.
+      return None
+
+  def Put(self, loss_fn, signature, verdict):
+    owner, function = self._Key(loss_fn)
+    try:
+      self._by_owner.setdefault(owner, {})[(function, signature)] = verdict
+    except TypeError:
+      pass
+
+
 class MicroBatchLoss:
   """loss_fn for a schedule that calls it on each of num_parts micro-batches alone.
 
@@ -293,10 +328,12 @@ class MicroBatchLoss:
     batch_size: the whole batch's rows, an int or (unknown at trace time) a tensor.
     batch_dim: the batch dimension of loss_fn's arguments.
     schedule: the schedule's name, for messages.
+    verdicts: a LossVerdicts that keeps the probes' verdicts between calls, or None.
   """
 
-  def __init__(self, loss_fn, num_parts, batch_size, batch_dim, schedule):
+  def __init__(self, loss_fn, num_parts, batch_size, batch_dim, schedule, verdicts=None):
     self._loss_fn = loss_fn
+    self._verdicts = verdicts
     self._num_parts = num_parts
     self._batch_size = batch_size
     self._batch_dim = batch_dim
@@ -325,7 +362,7 @@ class MicroBatchLoss:
       if self._dtypes is None:
         self._dtypes = _MapScalars(lambda x: tf.convert_to_tensor(x).dtype, value)
     if not self._probed:
-      self._Probe(args, value)
+      self._ProbeOnce(args, value)
       self._probed = True
     checks = list(self._checks)
 
@@ -352,6 +389,38 @@ class MicroBatchLoss:
                        f'them: {e}') from None
 
   # -- the probe -----------------------------------------------------------------------
+
+  def _ProbeOnce(self, args, value):
+    """_Probe, unless self._verdicts holds its verdict for this loss_fn and signature; a
+    verdict that needs checks in the step's graph is not kept."""
+    signature = self._Signature(args, value)
+    known = None if signature is None else self._verdicts.Get(self._loss_fn, signature)
+    if known is not None:
+      self._rules = dict(known)
+      return
+    self._Probe(args, value)
+    if signature is not None and not self._checks:
+      self._verdicts.Put(self._loss_fn, signature, dict(self._rules))
+
+  def _Signature(self, args, value):
+    """What the probes' verdict depends on besides loss_fn: the shapes and dtypes of its
+    tensors, its other arguments, the split, whether in a graph, and which of its metrics
+    are bare scalars and which pairs; None if it is not to be kept."""
+    if self._verdicts is None:
+      return None
+    leaves = []
+    for x in tf.nest.flatten(args):
+      if isinstance(x, tf.Tensor):
+        leaves.append((str(x.shape), x.dtype.name))
+      elif x is None or isinstance(x, (bool, int, float, str)):
+        leaves.append(x)
+      else:
+        return None
+    structure = repr(tf.nest.map_structure(lambda _: 0, args))
+    return (structure, tuple(leaves), self._num_parts,
+            self._batch_size if self._static else None, self._batch_dim,
+            tf.executing_eagerly(), tuple(sorted(_Scalars(value))),
+            tuple(sorted(_Pairs(value))))
 
   def _Probe(self, args, value):
     """Sets the rule of each bare scalar; refuses a loss that does not merge."""
