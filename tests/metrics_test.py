@@ -417,3 +417,25 @@ def testARefusedLossIsRefusedAgainAndAStepGraphsCheckIsNotKept():
   assert Scaled not in verdicts._by_owner  # pylint: disable=protected-access
   verdicts.Put(Scaled, 'any', {})  # As the probe of an eager loss would.
   assert Scaled in verdicts._by_owner  # pylint: disable=protected-access
+
+
+def testALossOfOneBasedLabelsIsAcceptedEagerlyAndInAStep():
+  """The first probe takes the micro-batch's own labels: a loss of 1-based labels failed on
+  labels of 0 and was refused eagerly; in a traced step (whose labels the eager probe cannot
+  read) it is probed in the step's graph. Either way the micro-batches merge to the whole."""
+  def OneBased(logits, labels):
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels - 1, logits))
+
+  rng = np.random.default_rng(5)
+  logits = tf.constant(rng.normal(size=[16, 3]), tf.float32)
+  labels = tf.constant(rng.integers(1, 4, size=[16]), tf.int32)
+  want = float(OneBased(logits, labels))
+
+  def Merged(call):
+    pairs = [call(y, t) for y, t in zip(tf.split(logits, 4), tf.split(labels, 4))]
+    return float(metrics.MergeMetrics([metrics.AsMetrics(p) for p in pairs]).loss[0])
+
+  assert Merged(lambda y, t: metrics.MicroBatchLoss(OneBased, 4, 16, 0, '1f1b')(y, t)) == (
+      pytest.approx(want, rel=1e-6))
+  step = tf.function(lambda y, t: metrics.MicroBatchLoss(OneBased, 4, 16, 0, '1f1b')(y, t))
+  assert Merged(step) == pytest.approx(want, rel=1e-6)

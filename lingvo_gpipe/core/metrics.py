@@ -12,6 +12,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from lingvo_gpipe.core import failed_op_logs
 from lingvo_gpipe.core import microbatch
 from lingvo_gpipe.core import py_utils
 
@@ -82,7 +83,8 @@ def _ProbeInput(like, sizes, batch_dim, index, widen):
   logs and roots of outputs and of 1 - outputs (probabilities) stay finite; each
   micro-batch about a center of its own, so that a loss reading batch statistics (the
   square of a mean, a variance, centering by the batch's mean) gives a whole-batch value
-  far from any combination of its micro-batch values. Made by random ops, not a constant:
+  far from any combination of its micro-batch values. Tensors not of floats (labels) repeat
+  the micro-batch's own (_Repeated). Made by random ops, not a constant:
   a probe in a step's graph would otherwise hold the whole batch's outputs in the graph.
   With `widen`, 16-bit floats come as float32: their rounding would hide a small
   batch-statistic term."""
@@ -94,7 +96,7 @@ def _ProbeInput(like, sizes, batch_dim, index, widen):
         f"batch's shape, but the outputs' shape {like.shape} has an unknown dimension besides "
         "the batch: use schedule='gpipe', or give the outputs a fixed shape (pad them)")
   if not like.dtype.is_floating:
-    return tf.zeros(shape, like.dtype)
+    return _Repeated(like, shape[batch_dim], batch_dim)
   width = 0.1 if index % 2 == 0 else 0.06
   centers = np.repeat(_ProbeCenters(len(sizes), index), sizes).reshape(
       [-1 if d == batch_dim else 1 for d in range(len(shape))])
@@ -103,8 +105,22 @@ def _ProbeInput(like, sizes, batch_dim, index, widen):
   return tf.cast(values + centers.astype(np.float32), dtype)
 
 
+def _Repeated(like, rows, batch_dim):
+  """Micro-batch tensor `like` (labels, lengths: not floats) repeated to `rows` rows: values
+  loss_fn takes (it failed on labels of 0 that were 1-based); zeros if it has no rows, or
+  if it cannot be read here (a tensor of the step being traced, in the eager probe)."""
+  if tf.executing_eagerly() and tf.is_symbolic_tensor(like):
+    shape = like.shape.as_list()
+    shape[batch_dim] = rows
+    return tf.zeros(shape, like.dtype)
+  # One row of zeros after the others: what an empty micro-batch repeats.
+  padded = tf.pad(like, [[0, int(d == batch_dim)] for d in range(like.shape.rank)])
+  have = tf.maximum(tf.shape(like)[batch_dim], 1)
+  return tf.gather(padded, tf.range(rows) % have, axis=batch_dim)
+
+
 # The probes after the first, eager only, each on other outputs and int labels: what the
-# first probe's narrow range and labels of 0 cannot tell. 'wide' (floats from 0.1 to 4) and
+# first probe's narrow range and the micro-batch's own labels cannot tell. 'wide' (floats from 0.1 to 4) and
 # 'signed' (of either sign): a bend of a batch statistic outside (0.2, 0.8) (relu(mean(y)),
 # min(mse, 1)), per-row values that vary between micro-batches (a cross-entropy divided by
 # the batch's sum of sample weights). Labels with a share of marked elements that varies
@@ -309,12 +325,14 @@ class MicroBatchLoss:
   count the items value is a mean over, padding say) is refused. So every
   schedule gives the loss and gradients that loss_fn gives on the whole batch.
 
-  The probe runs eagerly, once per trace, on outputs within (0.2, 0.8) and int
-  labels of 0, then on each of _FURTHER_PROBES (wider, signed and 0/1 outputs;
+  The probe runs eagerly, once per trace and signature (kept in `verdicts`), on
+  outputs within (0.2, 0.8) and the micro-batch's own labels (zeros in a step
+  being traced), then on each of _FURTHER_PROBES (wider, signed and 0/1 outputs;
   labels marking padding or other classes); a probe whose whole-batch value is
-  not finite, or that loss_fn fails on, tells nothing. A loss that reads tensors of the step being traced (a scale
-  computed from the step, say) cannot run eagerly: it is probed in the step's
-  graph instead, on the first probe's outputs only, every time the step runs
+  not finite, or that loss_fn fails on, tells nothing. A loss that reads tensors
+  of the step being traced (a scale computed from the step, say), or fails on
+  labels of 0 there (1-based ones), cannot be probed eagerly: it is probed in the
+  step's graph instead, on the first probe's outputs only, every time the step runs
   (num_parts + 1 more loss_fn calls), and a loss that does not merge fails the
   step with the same message (under XLA, which drops assertions, its weight is
   NaN: the step's loss and gradients are NaN); its pairs are probed there only
@@ -350,6 +368,7 @@ class MicroBatchLoss:
     # The dtypes of loss_fn's metrics, for zeros on a micro-batch traced without rows.
     self._dtypes = None
 
+  @tf.autograph.experimental.do_not_convert
   def __call__(self, *args):
     empty = microbatch.StaticBatchSize(args, self._batch_dim) == 0
     if empty and self._dtypes is not None:
@@ -398,7 +417,8 @@ class MicroBatchLoss:
     if known is not None:
       self._rules = dict(known)
       return
-    self._Probe(args, value)
+    with failed_op_logs.Dropped():  # The probes' labels make some losses fail: no alarm.
+      self._Probe(args, value)
     if signature is not None and not self._checks:
       self._verdicts.Put(self._loss_fn, signature, dict(self._rules))
 
