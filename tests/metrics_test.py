@@ -439,3 +439,40 @@ def testALossOfOneBasedLabelsIsAcceptedEagerlyAndInAStep():
       pytest.approx(want, rel=1e-6))
   step = tf.function(lambda y, t: metrics.MicroBatchLoss(OneBased, 4, 16, 0, '1f1b')(y, t))
   assert Merged(step) == pytest.approx(want, rel=1e-6)
+
+
+def _KnownSquares(y, t):
+  """Squared errors, 0 where the target is missing (NaN); which targets are known."""
+  known = tf.math.is_finite(t)
+  return tf.where(known, tf.square(y - tf.where(known, t, 0.0)), 0.0), known
+
+
+def _FiniteTargets(y, t):
+  """A mean over the targets that are not missing, as (mean, count)."""
+  squares, known = _KnownSquares(y, t)
+  count = tf.reduce_sum(tf.cast(known, y.dtype))
+  return tf.reduce_sum(squares) / tf.maximum(count, 1.0), count
+
+
+def _Missing(rows, seed):
+  """Outputs, and targets of which about a third are missing (NaN)."""
+  rng = np.random.default_rng(seed)
+  targets = np.where(rng.uniform(size=[rows, 2]) < 0.35, np.nan, rng.normal(size=[rows, 2]))
+  return tf.constant(rng.normal(size=[rows, 2]), tf.float32), tf.constant(targets, tf.float32)
+
+
+@pytest.mark.parametrize('num_parts,batch', [(2, 8), (3, 7), (4, 16)])
+def testAMeanOverTargetsThatAreNotMissingIsRefusedAndItsPairAccepted(num_parts, batch):
+  """Missing targets as NaN: a mean over the finite ones does not merge (accepted before
+  the NaN probe); as a (mean, count) pair, or with missing ones as 0 in a mean over all,
+  it merges to the whole batch's value."""
+  whole = _Missing(24, seed=1)
+  masked_mean = lambda y, t: _FiniteTargets(y, t)[0]
+  values = [float(masked_mean(*part)) for part in zip(*(tf.split(x, 4) for x in whole))]
+  assert abs(float(masked_mean(*whole)) - np.mean(values)) > 1e-3  # It does not merge.
+  part = _Missing(max(batch // num_parts, 1), seed=2)
+  with pytest.raises(ValueError, match=r'outputs from 0.1 to 4 and NaN \(.* is neither the sum'):
+    metrics.MicroBatchLoss(masked_mean, num_parts, batch, 0, '1f1b')(*part)
+  zeroed = lambda y, t: tf.reduce_mean(_KnownSquares(y, t)[0])
+  for name, loss_fn in (('pair', _FiniteTargets), ('zeroed', zeroed)):
+    _AssertMergesToTheWholeBatchs(loss_fn, _Missing(batch, seed=3), num_parts, name)

@@ -120,20 +120,22 @@ def _Repeated(like, rows, batch_dim):
 
 
 # The probes after the first, eager only, each on other outputs and int labels: what the
-# first probe's narrow range and the micro-batch's own labels cannot tell. 'wide' (floats from 0.1 to 4) and
-# 'signed' (of either sign): a bend of a batch statistic outside (0.2, 0.8) (relu(mean(y)),
-# min(mse, 1)), per-row values that vary between micro-batches (a cross-entropy divided by
-# the batch's sum of sample weights). Labels with a share of marked elements that varies
-# between micro-batches: a normalization by the batch's labels (class weights from label
-# counts; a masked mean ignoring padding: 0 as BERT's, -1, -100 as in PyTorch, 255 as a
-# segmentation's void); labels of 1 and 2 for a loss dividing by them (sequence lengths). 'binary' floats, 0 and 1, are masks as real ones are: (value, weight) pairs are
-# probed on those only (a mean over a float mask weighed by its count of non-zeros merges
-# on 0s and 1s, not on random floats).
+# first probe's narrow range and the micro-batch's own labels cannot tell. 'wide' (floats
+# from 0.1 to 4) and 'signed' (of either sign): a bend of a batch statistic outside
+# (0.2, 0.8) (relu(mean(y)), min(mse, 1)), per-row values that vary between micro-batches
+# (a cross-entropy divided by the batch's sum of sample weights). Labels with a share of
+# marked elements that varies between micro-batches: a normalization by the batch's labels
+# (class weights from label counts; a masked mean ignoring padding: 0 as BERT's, -1, -100
+# as in PyTorch, 255 as a segmentation's void); labels of 1 and 2 for a loss dividing by
+# them (sequence lengths). 'binary' floats, 0 and 1, are masks as real ones are: (value,
+# weight) pairs are probed on those (a mean over a float mask weighed by its count of
+# non-zeros merges on 0s and 1s, not on random floats). 'nan': 'wide' with a share of NaN
+# (missing targets) that varies between micro-batches: a mean over the finite ones.
 # (floats, label elements unmarked, marked, whether pairs are probed).
 _FURTHER_PROBES = (('wide', 0, 1, False), ('signed', 1, 2, False), ('binary', 0, -1, True),
-                   ('binary', 0, -100, True), ('binary', 0, 255, True))
+                   ('binary', 0, -100, True), ('binary', 0, 255, True), ('nan', 0, 1, True))
 _FLOATS = {'wide': 'outputs from 0.1 to 4', 'signed': 'outputs of either sign',
-           'binary': 'outputs of 0 and 1'}
+           'binary': 'outputs of 0 and 1', 'nan': 'outputs from 0.1 to 4 and NaN'}
 _FURTHER_PARTS = 8
 # The further probes' batch holds no more than this many numbers (64 MB of float32), or
 # num_parts rows: a language model's logits may hold 16M numbers a row.
@@ -162,8 +164,10 @@ def _FurtherProbeInput(like, sizes, batch_dim, index, probe, widen):
   'signed' floats: each part has a magnitude of its own, log-spaced from 0.1 to 4 in an
   order of the tensor's own ('signed': half of them negative), and spreads its values over
   a random share of it, so per-row values differ between parts. 'binary': 0 or 1, 1 with a
-  probability of each part's own. Ints: _Marked elements hold the probe's marked value
-  (within the dtype's range), the others its unmarked one."""
+  probability of each part's own. 'nan': 'wide' but NaN with a probability of each part's
+  own, at the same elements in every tensor of the same shape (an output and its target).
+  Ints: _Marked elements hold the probe's marked value (within the dtype's range), the
+  others its unmarked one; strings as the first probe's."""
   kind, unmarked, marked, _ = _FURTHER_PROBES[probe]
   parts = len(sizes)
   rng = np.random.default_rng([probe, index])
@@ -176,8 +180,9 @@ def _FurtherProbeInput(like, sizes, batch_dim, index, probe, widen):
     values = np.clip([unmarked, marked], like.dtype.min, like.dtype.max)
     return tf.cast(np.where(_Marked(shape, batch_dim, sizes, rng), values[1], values[0]),
                    like.dtype)
-  if not like.dtype.is_floating:  # Strings, say: as the first probe's.
-    return tf.zeros(shape, like.dtype)
+  if not like.dtype.is_floating:
+    return _Repeated(like, shape[batch_dim], batch_dim)
+
   def PerRow(per_part):
     return np.repeat(per_part, sizes).reshape(rows).astype(np.float32)
 
@@ -192,6 +197,10 @@ def _FurtherProbeInput(like, sizes, batch_dim, index, probe, widen):
       centers *= rng.permutation(np.where(np.arange(parts) % 2 == 0, 1.0, -1.0))
     spreads = np.abs(centers) * rng.uniform(0.2, 1.0, parts)
     values = PerRow(centers) + PerRow(spreads) * noise
+  if kind == 'nan':
+    shares = np.random.default_rng(probe).permutation(np.linspace(0.1, 0.9, parts))
+    missing = tf.random.stateless_uniform(shape, [probe, 0]) < PerRow(shares)
+    values = tf.where(missing, np.float32(np.nan), values)
   dtype = like.dtype if like.dtype == tf.float64 or not widen else tf.float32
   return tf.cast(values, dtype)
 
@@ -463,12 +472,19 @@ class MicroBatchLoss:
   def _ProbeFurther(self, args):
     """Probes loss_fn eagerly on each of _FURTHER_PROBES."""
     sizes = self._FurtherSizes(args)
+    labels = any(isinstance(x, tf.Tensor) and (x.dtype.is_integer or x.dtype.is_bool)
+                 for x in tf.nest.flatten(args))
+    kinds = set()
     for probe, (kind, unmarked, marked, pairs) in enumerate(_FURTHER_PROBES if sizes else ()):
+      if kind in kinds and not labels:
+        continue  # Only its labels set it apart from a probe that ran.
+      kinds.add(kind)
       try:
         values, _ = self._ProbeAnyhow(args, sizes, probe)
       except ValueError:  # _Call's: loss_fn failed on this probe's outputs or labels.
         continue
-      where = f' on {_FLOATS[kind]} and int labels {unmarked} and {marked}'
+      where = f' on {_FLOATS[kind]}' + (f' and int labels {unmarked} and {marked}' if labels
+                                         else '')
       self._ProbeMetrics(values, sizes, False, where, pairs=pairs)
 
   def _FurtherSizes(self, args):
