@@ -37,3 +37,23 @@ def testTheProbesFailedOpsLogNothingAndOtherLinesAreKept():
   assert failed, lines  # The one outside the probe.
   assert not [line for line in failed if any(f'label value of {v} ' in line
                                              for v in (-1, -100, 255))], failed
+
+
+_DIES_IN_A_BLOCK = textwrap.dedent('''
+    import os
+    from lingvo_gpipe.core import failed_op_logs
+
+    with failed_op_logs.Dropped():
+      with failed_op_logs.Dropped():  # A probe within a probe: no deadlock.
+        os.write(2, b'W0000 00:00:1.5 7 op_kernel.cc:1] OP_REQUIRES failed at x.cc:1 : bad\\n')
+        os.write(2, b'written in the block\\n')
+        os._exit(3)  # Dies in the block (a crash): what it wrote is out all the same.
+    ''')
+
+
+def testABlockWithinABlockAndADeathInABlockLoseNoLine():
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='0')
+  result = subprocess.run([sys.executable, '-c', _DIES_IN_A_BLOCK], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+  assert result.returncode == 3
+  assert result.stderr == 'written in the block\n'

@@ -471,8 +471,68 @@ def testAMeanOverTargetsThatAreNotMissingIsRefusedAndItsPairAccepted(num_parts, 
   values = [float(masked_mean(*part)) for part in zip(*(tf.split(x, 4) for x in whole))]
   assert abs(float(masked_mean(*whole)) - np.mean(values)) > 1e-3  # It does not merge.
   part = _Missing(max(batch // num_parts, 1), seed=2)
-  with pytest.raises(ValueError, match=r'outputs from 0.1 to 4 and NaN \(.* is neither the sum'):
+  with pytest.raises(ValueError, match=r'outputs of 0, 1 and NaN \(.* is neither the sum'):
     metrics.MicroBatchLoss(masked_mean, num_parts, batch, 0, '1f1b')(*part)
   zeroed = lambda y, t: tf.reduce_mean(_KnownSquares(y, t)[0])
   for name, loss_fn in (('pair', _FiniteTargets), ('zeroed', zeroed)):
     _AssertMergesToTheWholeBatchs(loss_fn, _Missing(batch, seed=3), num_parts, name)
+
+
+def testAPairOverAFloatMaskOfFiniteTargetsAndALossRejectingNaNAreAccepted():
+  """The NaN probe's outputs are 0s and 1s, as masks are: a (masked mean, count) pair over a
+  float mask that leaves out missing targets merges there (on floats from 0.1 to 4 it did
+  not, and was refused); a loss that raises on NaN (any exception) skips that probe."""
+  def MaskedPair(y, t, mask):
+    mask = tf.where(tf.math.is_finite(t), mask, 0.0)
+    squares = tf.where(mask > 0, tf.square(y - tf.where(mask > 0, t, 0.0)), 0.0)
+    return (tf.math.divide_no_nan(tf.reduce_sum(squares * mask), tf.reduce_sum(mask)),
+            tf.reduce_sum(tf.cast(mask > 0, y.dtype)))
+
+  def RejectsNaN(y, t):
+    if not np.all(np.isfinite(t.numpy())):
+      raise FloatingPointError('a missing target')
+    return tf.reduce_mean(tf.square(y - t))
+
+  y, t = _Missing(12, seed=4)
+  mask = tf.constant((np.random.default_rng(4).uniform(size=[12, 2]) < 0.7), tf.float32)
+  _AssertMergesToTheWholeBatchs(MaskedPair, (y, t, mask), 4, 'pair')
+  _AssertMergesToTheWholeBatchs(RejectsNaN, (y, tf.where(tf.math.is_finite(t), t, 0.0)), 4,
+                                'rejects NaN')
+
+
+def testAMaskedMeanReadingATensorOfTheStepIsRefusedWhenTheStepRuns():
+  """Probed in the step's graph, with labels of 0, not the micro-batch's own: those, the same
+  in every part, made a mean over the tokens that are not padding (0) look like a mean, and
+  it was accepted with another value than the whole batch's."""
+  rng = np.random.default_rng(0)
+  labels = rng.integers(1, 5, [8, 6]).astype(np.int32)
+  for row in range(8):  # Micro-batches with their own shares of padding.
+    labels[row, row * 6 // 8 + 1:] = 0
+  logits = tf.random.stateless_normal([8, 6, 5], [1, 2])
+
+  @tf.function
+  def Step(logits, labels):
+    scale = tf.reduce_sum(logits) * 0.0 + 1.0  # A tensor of the step.
+
+    def Loss(y, t):
+      mask = tf.cast(t != 0, y.dtype)
+      xent = tf.nn.sparse_softmax_cross_entropy_with_logits(t, y)
+      return scale * tf.reduce_sum(xent * mask) / tf.reduce_sum(mask)
+
+    loss = metrics.MicroBatchLoss(Loss, 4, 8, 0, '1f1b')
+    return [loss(y, t) for y, t in zip(tf.split(logits, 4), tf.split(labels, 4))]
+
+  with pytest.raises(tf.errors.InvalidArgumentError, match='cannot tell which'):
+    Step(logits, tf.constant(labels))
+
+
+def testALossThatFailsOnEveryProbeIsRefusedNamingTheFailure():
+  """A loss that checks its outputs (rows of probabilities) runs on the user's data but on
+  no probe's random outputs: refused, saying so, not with the check's own error."""
+  def Probabilities(p):
+    tf.debugging.assert_near(tf.reduce_sum(p, -1), tf.ones(tf.shape(p)[:1]))
+    return tf.reduce_mean(-tf.math.log(p[:, 0]))
+
+  with pytest.raises(ValueError, match=r"'1f1b' .* probes, which tell a sum from a mean on "
+                     r'random outputs, told nothing: it failed on the first \(InvalidArgument'):
+    metrics.MicroBatchLoss(Probabilities, 4, 16, 0, '1f1b')(tf.fill([4, 2], 0.5))

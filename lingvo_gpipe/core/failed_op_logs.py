@@ -3,38 +3,74 @@ that expects such failures: the loss probe (metrics.MicroBatchLoss) tries labels
 loss may reject (-1, 255), takes the failure as an exception, and goes on; the lines
 (`OP_REQUIRES failed ... label value of -1`) would tell the user their labels were bad.
 
-Every other line written to stderr meanwhile, by any thread, is passed on when the block
-ends. TF_CPP_MIN_LOG_LEVEL is read once, when TensorFlow loads: it cannot do this.
+Within the block, the process's stderr goes through log_filter.py, a process of its own
+that forwards every other line as it comes (also if this process dies in the block).
+A failed op's warning of another thread in the block is dropped too; its exception is
+not. Nothing is redirected where TF_CPP_MIN_LOG_LEVEL (read once, when TensorFlow loads)
+hides warnings anyway, nor where there is no stderr.
 """
 
 import contextlib
 import os
-import re
+import subprocess
 import sys
-import tempfile
 import threading
 
-# The warnings of a failed op: its kernel's, and its executor's that it stops.
-_FAILED_OP = re.compile(
-    rb'W\d{4} [^\n]*(OP_REQUIRES failed at |Local rendezvous is aborting with status: )')
-# One block redirects stderr at a time: another thread's block would restore it early.
+_LOG_FILTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           'log_filter.py')
+# One block redirects stderr at a time (another thread's would restore it early), and a
+# block within a block (a probed loss that probes a loss of its own) redirects nothing.
 _LOCK = threading.Lock()
+_IN_BLOCK = threading.local()
+
+
+def _Level():
+  level = os.environ.get('TF_CPP_MIN_LOG_LEVEL', '0')
+  return int(level) if level.isdigit() else 0
 
 
 @contextlib.contextmanager
 def Dropped():
-  """Within the block, failed ops' log lines are dropped; other stderr lines are delayed."""
-  with _LOCK, tempfile.TemporaryFile() as caught:
-    sys.stderr.flush()
-    saved = os.dup(2)
-    os.dup2(caught.fileno(), 2)
+  """Within the block, failed ops' warnings are dropped; other stderr lines are forwarded."""
+  if _Level() >= 2 or getattr(_IN_BLOCK, 'active', False):
+    yield
+    return
+  with _LOCK:
+    _IN_BLOCK.active = True
     try:
-      yield
+      with _Redirected():
+        yield
     finally:
+      _IN_BLOCK.active = False
+
+
+@contextlib.contextmanager
+def _Redirected():
+  """fd 2 into log_filter.py --drop_failed_ops; as it is if it cannot be."""
+  if sys.stderr is not None:
+    sys.stderr.flush()
+  try:
+    saved = os.dup(2)
+  except OSError:  # No stderr.
+    yield
+    return
+  try:
+    forward = subprocess.Popen([sys.executable, _LOG_FILTER, str(_Level()), '--drop_failed_ops'],
+                               stdin=subprocess.PIPE)
+  except OSError:
+    os.close(saved)
+    yield
+    return
+  os.dup2(forward.stdin.fileno(), 2)
+  try:
+    yield
+  finally:
+    if sys.stderr is not None:
       sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      caught.seek(0)
-      kept = b''.join(line for line in caught if not _FAILED_OP.match(line))
-      while kept:
-        kept = kept[os.write(2, kept):]
+    os.dup2(saved, 2)
+    os.close(saved)
+    forward.stdin.close()
+    try:
+      forward.wait(timeout=10)  # Its lines come before this process's next ones.
+    except subprocess.TimeoutExpired:  # A child of the block holds the pipe: it goes on.
+      pass

@@ -108,8 +108,9 @@ def _ProbeInput(like, sizes, batch_dim, index, widen):
 def _Repeated(like, rows, batch_dim):
   """Micro-batch tensor `like` (labels, lengths: not floats) repeated to `rows` rows: values
   loss_fn takes (it failed on labels of 0 that were 1-based); zeros if it has no rows, or
-  if it cannot be read here (a tensor of the step being traced, in the eager probe)."""
-  if tf.executing_eagerly() and tf.is_symbolic_tensor(like):
+  if it is a tensor of the step being traced: the eager probe cannot read it, and in the
+  step's graph one micro-batch's labels in every part would hide a mean over a mask."""
+  if tf.is_symbolic_tensor(like):
     shape = like.shape.as_list()
     shape[batch_dim] = rows
     return tf.zeros(shape, like.dtype)
@@ -129,13 +130,13 @@ def _Repeated(like, rows, batch_dim):
 # as in PyTorch, 255 as a segmentation's void); labels of 1 and 2 for a loss dividing by
 # them (sequence lengths). 'binary' floats, 0 and 1, are masks as real ones are: (value,
 # weight) pairs are probed on those (a mean over a float mask weighed by its count of
-# non-zeros merges on 0s and 1s, not on random floats). 'nan': 'wide' with a share of NaN
-# (missing targets) that varies between micro-batches: a mean over the finite ones.
+# non-zeros merges on 0s and 1s, not on random floats). 'nan': 'binary' with a share of
+# NaN (missing targets) that varies between micro-batches: a mean over the finite ones.
 # (floats, label elements unmarked, marked, whether pairs are probed).
 _FURTHER_PROBES = (('wide', 0, 1, False), ('signed', 1, 2, False), ('binary', 0, -1, True),
                    ('binary', 0, -100, True), ('binary', 0, 255, True), ('nan', 0, 1, True))
 _FLOATS = {'wide': 'outputs from 0.1 to 4', 'signed': 'outputs of either sign',
-           'binary': 'outputs of 0 and 1', 'nan': 'outputs from 0.1 to 4 and NaN'}
+           'binary': 'outputs of 0 and 1', 'nan': 'outputs of 0, 1 and NaN'}
 _FURTHER_PARTS = 8
 # The further probes' batch holds no more than this many numbers (64 MB of float32), or
 # num_parts rows: a language model's logits may hold 16M numbers a row.
@@ -164,8 +165,9 @@ def _FurtherProbeInput(like, sizes, batch_dim, index, probe, widen):
   'signed' floats: each part has a magnitude of its own, log-spaced from 0.1 to 4 in an
   order of the tensor's own ('signed': half of them negative), and spreads its values over
   a random share of it, so per-row values differ between parts. 'binary': 0 or 1, 1 with a
-  probability of each part's own. 'nan': 'wide' but NaN with a probability of each part's
-  own, at the same elements in every tensor of the same shape (an output and its target).
+  probability of each part's own. 'nan': 'binary' but NaN with a probability of each
+  part's own, at the same elements in every tensor of the same shape (an output and its
+  target).
   Ints: _Marked elements hold the probe's marked value (within the dtype's range), the
   others its unmarked one; strings as the first probe's."""
   kind, unmarked, marked, _ = _FURTHER_PROBES[probe]
@@ -189,7 +191,7 @@ def _FurtherProbeInput(like, sizes, batch_dim, index, probe, widen):
   # TensorFlow's random ops, not numpy's: the batch may be large (a language model's
   # logits), and they make no float64 or other full-size temporaries.
   noise = tf.random.stateless_uniform(shape, [probe, index], -1.0, 1.0, tf.float32)
-  if kind == 'binary':
+  if kind in ('binary', 'nan'):
     values = tf.cast(noise < PerRow(rng.permutation(np.linspace(-0.6, 0.6, parts))), tf.float32)
   else:
     centers = rng.permutation(0.1 * 40.0**(np.arange(parts) / max(parts - 1, 1)))
@@ -199,7 +201,8 @@ def _FurtherProbeInput(like, sizes, batch_dim, index, probe, widen):
     values = PerRow(centers) + PerRow(spreads) * noise
   if kind == 'nan':
     shares = np.random.default_rng(probe).permutation(np.linspace(0.1, 0.9, parts))
-    missing = tf.random.stateless_uniform(shape, [probe, 0]) < PerRow(shares)
+    # Seeded apart from every tensor's noise ([probe, index]).
+    missing = tf.random.stateless_uniform(shape, [probe, -1]) < PerRow(shares)
     values = tf.where(missing, np.float32(np.nan), values)
   dtype = like.dtype if like.dtype == tf.float64 or not widen else tf.float32
   return tf.cast(values, dtype)
@@ -316,6 +319,10 @@ class LossVerdicts:
       self._by_owner.setdefault(owner, {})[(function, signature)] = verdict
     except TypeError:
       pass
+
+
+class _ProbeFailed(Exception):
+  """loss_fn raised on a probe's outputs (its __cause__)."""
 
 
 class MicroBatchLoss:
@@ -457,17 +464,29 @@ class MicroBatchLoss:
     # hold nothing to tell a sum from a mean), is probed with one num_parts does not divide.
     size, parts = self._batch_size, self._num_parts
     sizes = microbatch.Sizes(size if self._static and size >= parts else 2 * parts + 1, parts)
-    when_run = False
+    failed = None  # What loss_fn raised on the first probe's outputs, eagerly.
     if _Scalars(value) or self._uneven:
-      values, when_run = self._ProbeAnyhow(args, sizes)
-      # On uneven micro-batches, pairs too: the 0/1 outputs of the further probes leave
-      # many losses the same in every part, (mean, 1) say, where weights tell nothing.
-      self._ProbeMetrics(values, sizes, when_run, '', pairs=self._uneven)
-    if not when_run:
-      self._ProbeFurther(args)
-    for name, rule in self._rules.items():
-      if rule == '':
-        raise ValueError(self._Untold(name))
+      try:
+        values = self._ProbeValuesWidened(args, sizes)
+      except _ProbeFailed as e:
+        failed = e.__cause__
+      else:
+        # On uneven micro-batches, pairs too: the 0/1 outputs of the further probes leave
+        # many losses the same in every part, (mean, 1) say, where weights tell nothing.
+        self._ProbeMetrics(values, sizes, False, '', pairs=self._uneven)
+    self._ProbeFurther(args)
+    untold = [name for name in _Scalars(value) if self._rules.get(name, '') == '']
+    if failed is not None and (untold or self._uneven) and not tf.executing_eagerly():
+      # It reads tensors of the step, or fails on its labels of 0: probed when it runs.
+      try:
+        values = self._ProbeValuesWidened(args, sizes, in_graph=True)
+      except _ProbeFailed as e:
+        raise ValueError(self._FailedOnProbes(e.__cause__)) from None
+      self._ProbeMetrics(values, sizes, True, '', pairs=self._uneven)
+    elif failed is not None and untold:
+      raise ValueError(self._FailedOnProbes(failed))
+    elif untold:
+      raise ValueError(self._Untold(untold[0]))
 
   def _ProbeFurther(self, args):
     """Probes loss_fn eagerly on each of _FURTHER_PROBES."""
@@ -480,8 +499,8 @@ class MicroBatchLoss:
         continue  # Only its labels set it apart from a probe that ran.
       kinds.add(kind)
       try:
-        values, _ = self._ProbeAnyhow(args, sizes, probe)
-      except ValueError:  # _Call's: loss_fn failed on this probe's outputs or labels.
+        values = self._ProbeValuesWidened(args, sizes, probe)
+      except _ProbeFailed:  # On this probe's outputs or labels: it tells nothing.
         continue
       where = f' on {_FLOATS[kind]}' + (f' and int labels {unmarked} and {marked}' if labels
                                          else '')
@@ -509,22 +528,17 @@ class MicroBatchLoss:
                        candidates[-1])
     return microbatch.Sizes(parts * each + extra, parts)
 
-  def _ProbeAnyhow(self, args, sizes, probe=None):
-    """(values, whether in the step's graph): eagerly if loss_fn runs so, else (it reads
-    tensors of the step; the first probe only) in the graph; 16-bit floats as float32 if
-    loss_fn takes them."""
+  def _ProbeValuesWidened(self, args, sizes, probe=None, in_graph=False):
+    """_ProbeValues eagerly (or in the step's graph), 16-bit floats as float32 if loss_fn
+    takes them; a _ProbeFailed if loss_fn fails on them."""
     half = any(x.dtype in (tf.bfloat16, tf.float16) for x in tf.nest.flatten(args)
                if isinstance(x, tf.Tensor))
-    graph = probe is None and not tf.executing_eagerly()
-    attempts = [(when_run, widen)
-                for when_run in ((False, True) if graph else (False,))
-                for widen in ((True, False) if half else (False,))]
-    for i, (when_run, widen) in enumerate(attempts):
+    for widen in (True, False) if half else (False,):
       try:
-        with contextlib.nullcontext() if when_run else tf.init_scope():
-          return self._ProbeValues(args, sizes, widen, probe), when_run
-      except ValueError:  # _Call's: loss_fn failed.
-        if i + 1 == len(attempts):
+        with contextlib.nullcontext() if in_graph else tf.init_scope():
+          return self._ProbeValues(args, sizes, widen, probe)
+      except _ProbeFailed:
+        if not widen:
           raise
 
   def _ProbeValues(self, args, sizes, widen, probe):
@@ -539,7 +553,13 @@ class MicroBatchLoss:
 
     whole = tf.nest.map_structure(lambda x: Input(x) if isinstance(x, tf.Tensor) else x, args)
     parts = microbatch.Split(whole, len(sizes), self._batch_dim)
-    return [self._Call(*part) for part in [whole] + parts]
+    values = []
+    for part in [whole] + parts:
+      try:
+        values.append(self._loss_fn(*part))
+      except Exception as e:  # Any: the probe's outputs are not the user's data.
+        raise _ProbeFailed() from e
+    return values
 
   def _ProbeMetrics(self, values, sizes, when_run, where, pairs):
     """Probes each bare scalar of one probe's `values` (whole batch, then micro-batches)
@@ -556,6 +576,11 @@ class MicroBatchLoss:
 
   _ADVICE = ('return (value, weight) pairs, which merge as sum(value * weight) / sum(weight), '
              "or use schedule='gpipe'.")
+
+  def _FailedOnProbes(self, error):
+    return (self._Head() + 'probes, which tell a sum from a mean on random outputs, told '
+            f'nothing: it failed on the first ({type(error).__name__}: {error}). If it checks '
+            'its outputs, ' + self._ADVICE)
 
   def _Untold(self, name):
     return (self._Head() + f'{name!r} on the probes\' random outputs (0, not finite, or as much '
