@@ -209,6 +209,27 @@ def testPartialLastBatchTrainsLikeSequential(sched, examples, num_micro):
                              ref.predict(x[:7], verbose=0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize('sched', ['gpipe', '1f1b'])
+def testPerTokenOutputsWithAPartialLastBatchTrainLikeSequential(sched):
+  """Dense layers over [rows, tokens, features] with a partial last batch (40 rows, batches
+  of 16): their weight gradients' shapes are partly unknown at trace time, which failed
+  every schedule ('Cannot convert a partially known TensorShape')."""
+  rng = np.random.RandomState(0)
+  x, y = rng.normal(size=(40, 6, 8)).astype('float32'), rng.randint(0, 5, (40, 6))
+  keras.utils.set_random_seed(1)
+  ref = keras.Sequential([keras.Input((6, 8)), keras.layers.Dense(16, activation='relu'),
+                          keras.layers.Dense(5)])
+  initial = ref.get_weights()
+  pipe = keras_pipeline.PipelineModel(ref, num_micro_batches=2, **_Schedule(sched))
+  ref.set_weights(initial)
+  results = []
+  for model in (pipe, ref):
+    model.compile('sgd', keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    results.append(model.fit(x, y, batch_size=16, shuffle=False, verbose=0).history['loss'])
+  np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
+  assert _RelativeDifference(pipe.get_weights(), ref.get_weights()) < 1e-6
+
+
 @pytest.mark.parametrize('sched', ['gpipe', 'zb_h1'])
 def testBatchNormOfBatchesSmallerThanMTrainsAsMicroBatchesOfOneRow(sched):
   """Keras's batch norm normalizes each micro-batch, and its statistics over an empty one

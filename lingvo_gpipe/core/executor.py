@@ -134,7 +134,8 @@ def _Accumulate(total, theta, grads, added, rows):
   layer's statistics over no rows are NaN (0 * NaN in Keras's batch norm)."""
   if _MayBeEmpty(rows):
     grads = tf.nest.map_structure(
-        lambda g: tf.where(rows > 0, tf.convert_to_tensor(g), tf.zeros(g.shape, g.dtype)), grads)
+        lambda g: tf.where(rows > 0, g, tf.zeros_like(g)), tf.nest.map_structure(
+            tf.convert_to_tensor, grads))
   with tf.control_dependencies(_Tokens(added)):
     return total.Add(theta, grads, first=added is None)
 
