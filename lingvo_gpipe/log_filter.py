@@ -19,9 +19,10 @@ import sys
 _SEVERITY = re.compile(r'([IWEF])\d{4} ')
 _LEVELS = {'I': 0, 'W': 1, 'E': 2, 'F': 3}
 _BEFORE_INIT = 'WARNING: All log messages before absl::InitializeLog() is called'
-# The warnings of a failed op: its kernel's, and its executor's that it stops.
-_FAILED_OP = re.compile(
-    r'W\d{4} .*(OP_REQUIRES failed at |Local rendezvous is aborting with status: )')
+# The warnings of a failed op: its kernel's, and its executor's that it stops (absl's
+# format, as TensorFlow 2.21 writes; earlier versions' own: '2024-10-14 21:27:37.4: W ...').
+_FAILED_OP = re.compile(r'(W\d{4} |\d{4}-\d\d-\d\d [\d:.]+: W ).*'
+                        r'(OP_REQUIRES failed at |Local rendezvous is aborting with status: )')
 
 
 def Shown(line, level, drop_failed_ops=False):
@@ -37,9 +38,8 @@ def Shown(line, level, drop_failed_ops=False):
 
 def main(level, drop_failed_ops):
   for raw in sys.stdin.buffer:
-    line = raw.decode(errors='replace')
-    if Shown(line, level, drop_failed_ops):
-      sys.stderr.write(line)
+    if Shown(raw.decode(errors='replace'), level, drop_failed_ops):
+      sys.stderr.buffer.write(raw)  # As written: bytes of any encoding.
       sys.stderr.flush()
 
 

@@ -336,6 +336,21 @@ def testAMaskedMeanIgnoringAVoidLabelOf255IsRefused():
                                                            tf.zeros([4], tf.uint8))
 
 
+def testAMeanOverLabelsOtherThanZeroWeighedByRowsIsRefused():
+  """As a (value, weight) pair with a cross-entropy that fails on the labels -1, -100 and
+  255: pairs were probed with those labels only, and it was accepted (2.25039 against the
+  whole batch's 2.15725)."""
+  def WeighedByRows(logits, labels):
+    mask = tf.cast(labels != 0, logits.dtype)
+    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits)
+    return tf.reduce_sum(xent * mask) / tf.reduce_sum(mask), tf.cast(tf.shape(labels)[0],
+                                                                      logits.dtype)
+
+  labels = tf.constant(np.random.default_rng(0).integers(0, 5, [4, 6]), tf.int32)
+  with pytest.raises(ValueError, match=r'int labels 0 and 1 .* is not the weighted mean'):
+    metrics.MicroBatchLoss(WeighedByRows, 4, 16, 0, '1f1b')(tf.zeros([4, 6, 5]), labels)
+
+
 def testAMeanOverLabelsOtherThanZeroIsRefused():
   """Label 0 as padding (BERT's) or background, with a cross-entropy that fails on the
   labels -1, -100 and 255 of 3 classes: only a probe mixing 0 with a valid class tells it
@@ -419,26 +434,34 @@ def testARefusedLossIsRefusedAgainAndAStepGraphsCheckIsNotKept():
   assert Scaled in verdicts._by_owner  # pylint: disable=protected-access
 
 
-def testALossOfOneBasedLabelsIsAcceptedEagerlyAndInAStep():
+@pytest.mark.parametrize('batch', [16, 10])
+def testALossOfOneBasedLabelsIsAcceptedEagerlyAndInAStep(batch):
   """The first probe takes the micro-batch's own labels: a loss of 1-based labels failed on
-  labels of 0 and was refused eagerly; in a traced step (whose labels the eager probe cannot
-  read) it is probed in the step's graph. Either way the micro-batches merge to the whole."""
+  labels of 0 and was refused eagerly. In a traced step (whose labels the eager probe cannot
+  read) the further probes tell it; it was probed in the step's graph on labels of 0, and
+  failed there on uneven micro-batches or a batch of unknown size. Every way, the
+  micro-batches merge to the whole."""
   def OneBased(logits, labels):
     return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels - 1, logits))
 
   rng = np.random.default_rng(5)
-  logits = tf.constant(rng.normal(size=[16, 3]), tf.float32)
-  labels = tf.constant(rng.integers(1, 4, size=[16]), tf.int32)
+  logits = tf.constant(rng.normal(size=[batch, 3]), tf.float32)
+  labels = tf.constant(rng.integers(1, 4, size=[batch]), tf.int32)
   want = float(OneBased(logits, labels))
+  sizes = [len(p) for p in np.array_split(np.arange(batch), 4)]
 
   def Merged(call):
-    pairs = [call(y, t) for y, t in zip(tf.split(logits, 4), tf.split(labels, 4))]
+    pairs = [call(y, t) for y, t in zip(tf.split(logits, sizes), tf.split(labels, sizes))]
     return float(metrics.MergeMetrics([metrics.AsMetrics(p) for p in pairs]).loss[0])
 
-  assert Merged(lambda y, t: metrics.MicroBatchLoss(OneBased, 4, 16, 0, '1f1b')(y, t)) == (
-      pytest.approx(want, rel=1e-6))
-  step = tf.function(lambda y, t: metrics.MicroBatchLoss(OneBased, 4, 16, 0, '1f1b')(y, t))
-  assert Merged(step) == pytest.approx(want, rel=1e-6)
+  def Wrapped(y, t, rows=batch):
+    return metrics.MicroBatchLoss(OneBased, 4, rows, 0, '1f1b')(y, t)
+
+  assert Merged(Wrapped) == pytest.approx(want, rel=1e-6)
+  assert Merged(tf.function(Wrapped)) == pytest.approx(want, rel=1e-6)
+  unknown = tf.function(lambda y, t: Wrapped(y, t, tf.constant(batch)), input_signature=[
+      tf.TensorSpec([None, 3]), tf.TensorSpec([None], tf.int32)])
+  assert Merged(unknown) == pytest.approx(want, rel=1e-6)
 
 
 def _KnownSquares(y, t):

@@ -44,29 +44,50 @@ def Dropped():
       _IN_BLOCK.active = False
 
 
+def _FlushStderr():
+  try:
+    sys.stderr.flush()
+  except (AttributeError, ValueError):  # None, or closed.
+    pass
+
+
+def _Python():
+  """The interpreter to run log_filter.py, or None: a frozen or embedded application's
+  sys.executable is no Python."""
+  executable = sys.executable
+  if getattr(sys, 'frozen', False) or not isinstance(executable, str) or not (
+      os.path.basename(executable).lower().startswith('python')):
+    return None
+  return executable
+
+
 @contextlib.contextmanager
 def _Redirected():
   """fd 2 into log_filter.py --drop_failed_ops; as it is if it cannot be."""
-  if sys.stderr is not None:
-    sys.stderr.flush()
+  python = _Python()
+  _FlushStderr()
   try:
     saved = os.dup(2)
   except OSError:  # No stderr.
-    yield
-    return
-  try:
-    forward = subprocess.Popen([sys.executable, _LOG_FILTER, str(_Level()), '--drop_failed_ops'],
-                               stdin=subprocess.PIPE)
-  except OSError:
-    os.close(saved)
+    saved = None
+  forward = None
+  if saved is not None and python is not None:
+    try:
+      # A session of its own: a Ctrl-C to this process's group does not stop the forwarding.
+      forward = subprocess.Popen([python, _LOG_FILTER, str(_Level()), '--drop_failed_ops'],
+                                 stdin=subprocess.PIPE, start_new_session=True)
+    except (OSError, ValueError):
+      pass
+  if forward is None:
+    if saved is not None:
+      os.close(saved)
     yield
     return
   os.dup2(forward.stdin.fileno(), 2)
   try:
     yield
   finally:
-    if sys.stderr is not None:
-      sys.stderr.flush()
+    _FlushStderr()
     os.dup2(saved, 2)
     os.close(saved)
     forward.stdin.close()
