@@ -6,8 +6,10 @@ loss may reject (-1, 255), takes the failure as an exception, and goes on; the l
 Within the block, the process's stderr goes through log_filter.py, a process of its own
 that forwards every other line as it comes (also if this process dies in the block).
 A failed op's warning of another thread in the block is dropped too; its exception is
-not. Nothing is redirected where TF_CPP_MIN_LOG_LEVEL (read once, when TensorFlow loads)
-hides warnings anyway, nor where there is no stderr.
+not. Where stdout and stderr go to one file, the block's stderr lines may come after stdout
+lines written later. Nothing is redirected where TF_CPP_MIN_LOG_LEVEL (read once, when
+TensorFlow loads) hides warnings anyway, nor where there is no stderr or no Python to run
+the filter with.
 """
 
 import contextlib

@@ -131,12 +131,13 @@ def _Repeated(like, rows, batch_dim):
 # them (sequence lengths). 'binary' floats, 0 and 1, are masks as real ones are: (value,
 # weight) pairs are probed on those (a mean over a float mask weighed by its count of
 # non-zeros merges on 0s and 1s, not on random floats), also with labels 0 and 1 (a mean
-# over the labels other than 0 weighed by rows). 'nan': 'binary' with a share of
-# NaN (missing targets) that varies between micro-batches: a mean over the finite ones.
+# over the labels other than 0 weighed by rows) and 1 and 2 (1-based labels). 'nan':
+# 'binary' with a share of NaN (missing targets) that varies between micro-batches: a mean
+# over the finite ones.
 # (floats, label elements unmarked, marked, whether pairs are probed).
 _FURTHER_PROBES = (('wide', 0, 1, False), ('signed', 1, 2, False), ('binary', 0, 1, True),
-                   ('binary', 0, -1, True), ('binary', 0, -100, True), ('binary', 0, 255, True),
-                   ('nan', 0, 1, True))
+                   ('binary', 1, 2, True), ('binary', 0, -1, True), ('binary', 0, -100, True),
+                   ('binary', 0, 255, True), ('nan', 0, 1, True))
 _FLOATS = {'wide': 'outputs from 0.1 to 4', 'signed': 'outputs of either sign',
            'binary': 'outputs of 0 and 1', 'nan': 'outputs of 0, 1 and NaN'}
 _FURTHER_PARTS = 8
@@ -476,11 +477,11 @@ class MicroBatchLoss:
         # On uneven micro-batches, pairs too: the 0/1 outputs of the further probes leave
         # many losses the same in every part, (mean, 1) say, where weights tell nothing.
         self._ProbeMetrics(values, sizes, False, '', pairs=self._uneven)
-    ran = self._ProbeFurther(args)
+    probed_pairs = self._ProbeFurther(args)
     untold = [name for name in _Scalars(value) if self._rules.get(name, '') == '']
     # In the step's graph only what no eager probe told: its labels of 0 may be what failed.
-    if failed is not None and (untold or self._uneven and not ran) and not (
-        tf.executing_eagerly()):
+    if failed is not None and (untold or self._uneven and _Pairs(value) and not probed_pairs
+                               ) and not tf.executing_eagerly():
       # It reads tensors of the step, or fails on its labels of 0: probed when it runs.
       try:
         values = self._ProbeValuesWidened(args, sizes, in_graph=True)
@@ -493,11 +494,12 @@ class MicroBatchLoss:
       raise ValueError(self._Untold(untold[0]))
 
   def _ProbeFurther(self, args):
-    """Probes loss_fn eagerly on each of _FURTHER_PROBES; how many it ran on."""
+    """Probes loss_fn eagerly on each of _FURTHER_PROBES; how many of those that probe
+    pairs it ran on."""
     sizes = self._FurtherSizes(args)
-    labels = any(isinstance(x, tf.Tensor) and (x.dtype.is_integer or x.dtype.is_bool)
-                 for x in tf.nest.flatten(args))
-    kinds, ran = set(), 0
+    # Bool labels are marked as ints are, whatever the probe's values.
+    labels = any(isinstance(x, tf.Tensor) and x.dtype.is_integer for x in tf.nest.flatten(args))
+    kinds, probed_pairs = set(), 0
     for probe, (kind, unmarked, marked, pairs) in enumerate(_FURTHER_PROBES if sizes else ()):
       if kind in kinds and not labels:
         continue  # Only its labels set it apart from a probe that ran.
@@ -506,11 +508,11 @@ class MicroBatchLoss:
         values = self._ProbeValuesWidened(args, sizes, probe)
       except _ProbeFailed:  # On this probe's outputs or labels: it tells nothing.
         continue
-      ran += 1
+      probed_pairs += pairs
       where = f' on {_FLOATS[kind]}' + (f' and int labels {unmarked} and {marked}' if labels
                                          else '')
       self._ProbeMetrics(values, sizes, False, where, pairs=pairs)
-    return ran
+    return probed_pairs
 
   def _FurtherSizes(self, args):
     """The further probes' parts: 8 or more of 4 rows each (a loss that merges, merges for
