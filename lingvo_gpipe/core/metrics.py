@@ -170,9 +170,8 @@ def _FurtherProbeInput(like, sizes, batch_dim, index, probe, widen):
   a random share of it, so per-row values differ between parts. 'binary': 0 or 1, 1 with a
   probability of each part's own. 'nan': 'binary' but NaN with a probability of each
   part's own, at the same elements in every tensor of the same shape (an output and its
-  target).
-  Ints: _Marked elements hold the probe's marked value (within the dtype's range), the
-  others its unmarked one; strings as the first probe's."""
+  target). Ints: _Marked elements hold the probe's marked value (within the dtype's range),
+  the others its unmarked one; strings as the first probe's."""
   kind, unmarked, marked, _ = _FURTHER_PROBES[probe]
   parts = len(sizes)
   rng = np.random.default_rng([probe, index])
@@ -320,7 +319,7 @@ class LossVerdicts:
     owner, function = self._Key(loss_fn)
     try:
       self._by_owner.setdefault(owner, {})[(function, signature)] = verdict
-    except TypeError:
+    except TypeError:  # As in Get: such a loss is probed at every call.
       pass
 
 
@@ -348,10 +347,11 @@ class MicroBatchLoss:
   outputs within (0.2, 0.8) and the micro-batch's own labels (zeros in a step
   being traced), then on each of _FURTHER_PROBES (wider, signed and 0/1 outputs;
   labels marking padding or other classes); a probe whose whole-batch value is
-  not finite, or that loss_fn fails on, tells nothing. A loss that reads tensors
-  of the step being traced (a scale computed from the step, say), or fails on
-  labels of 0 there (1-based ones), cannot be probed eagerly: it is probed in the
-  step's graph instead, on the first probe's outputs only, every time the step runs
+  not finite, or that loss_fn fails on, tells nothing (a loss of 1-based labels
+  fails on the zeros of a traced step's first probe: the others tell it). A loss
+  that reads tensors of the step being traced (a scale computed from the step,
+  say) cannot be probed eagerly at all: it is probed in the step's graph instead,
+  on the first probe's outputs only, every time the step runs
   (num_parts + 1 more loss_fn calls), and a loss that does not merge fails the
   step with the same message (under XLA, which drops assertions, its weight is
   NaN: the step's loss and gradients are NaN); its pairs are probed there only
