@@ -17,11 +17,12 @@ import functools
 import importlib.util
 import logging
 import os
-import subprocess
 import sys
 
 from absl import app
 from absl import flags
+
+from lingvo_gpipe.core import log_filter
 
 
 @functools.cache
@@ -54,10 +55,6 @@ def QuietTensorFlow():
     _ImportTensorFlow()
 
 
-# Run by path: a process of its own that forwards the import's stderr lines as they come.
-_LOG_FILTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'log_filter.py')
-
-
 def _ImportTensorFlow():
   """Imports TensorFlow, passing on only the stderr lines of its load that
   TF_CPP_MIN_LOG_LEVEL lets through.
@@ -67,20 +64,8 @@ def _ImportTensorFlow():
   log_filter.py in a process of its own, so a line is out even if the import
   kills this one (a fatal line, an illegal instruction).
   """
-  level = os.environ['TF_CPP_MIN_LOG_LEVEL']
-  level = int(level) if level.isdigit() else 0
-  sys.stderr.flush()
-  forward = subprocess.Popen([sys.executable, _LOG_FILTER, str(level)], stdin=subprocess.PIPE)
-  saved = os.dup(2)
-  os.dup2(forward.stdin.fileno(), 2)
-  try:
+  with log_filter.Filtered(log_filter.LogLevel()):
     import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
-  finally:
-    sys.stderr.flush()
-    os.dup2(saved, 2)
-    os.close(saved)
-    forward.stdin.close()
-    forward.wait()  # Its lines come before this process's next ones.
 
 
 def _ParseFlags(argv):

@@ -4,10 +4,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-from lingvo_gpipe import log_filter
-
 _SCRIPT = ('from lingvo_gpipe import binaries\n'
            'binaries.QuietTensorFlow()\n'
            'import tensorflow as tf\n'
@@ -40,18 +36,3 @@ def testAnImportThatKillsTheProcessStillShowsItsFatalLine(tmp_path):
   proc = _Start({}, pythonpath=tmp_path)
   assert proc.returncode != 0 and proc.stdout == ''
   assert proc.stderr == 'F0000 00:00:1.0 1 cpu.cc:1] This TensorFlow needs AVX.\n', proc.stderr
-
-
-@pytest.mark.parametrize('line,level,shown', [
-    ('I0000 00:00:17.9 28299 port.cc:153] oneDNN custom operations are on.\n', 3, False),
-    ('I0000 00:00:17.9 28299 port.cc:153] oneDNN custom operations are on.\n', 0, True),
-    ('W1127 07:52:30.5 28299 x.cc:1] a warning\n', 1, True),
-    ('W1127 07:52:30.5 28299 x.cc:1] a warning\n', 2, False),
-    ('E0000 00:00:17.9 28299 cuda_platform.cc:52] failed call to cuInit\n', 3, False),
-    ('F0000 00:00:17.9 28299 x.cc:1] Check failed\n', 3, True),
-    ('WARNING: All log messages before absl::InitializeLog() is called are written to '
-     'STDERR\n', 1, False),
-    ('Traceback (most recent call last):\n', 3, True),
-])
-def testTheLoadsLinesFollowTheLevel(line, level, shown):
-  assert log_filter.Shown(line, level) is shown

@@ -5,9 +5,6 @@ import subprocess
 import sys
 import textwrap
 
-from lingvo_gpipe import log_filter
-from lingvo_gpipe.core import failed_op_logs
-
 _SCRIPT = textwrap.dedent('''
     import sys
     import tensorflow as tf
@@ -60,20 +57,3 @@ def testABlockWithinABlockAndADeathInABlockLoseNoLine():
                           capture_output=True, text=True, timeout=60, check=False)
   assert result.returncode == 3
   assert result.stderr == 'written in the block\n'
-
-
-def testFailedOpsAreToldInEitherLogFormatAndOnlyPythonForwards(monkeypatch):
-  """absl's format (TensorFlow 2.21) and TensorFlow's own of earlier versions; a frozen or
-  embedded application's executable is not run as Python (it launched the application)."""
-  failed = ('W0000 00:00:1.5 7 op_kernel.cc:1] OP_REQUIRES failed at x.cc:1 : bad',
-            '2024-10-14 21:27:37.487309: W tensorflow/core/framework/op_kernel.cc:1840] '
-            'OP_REQUIRES failed at sparse_xent_op.cc:103 : bad')
-  assert not any(log_filter.Shown(line, 0, drop_failed_ops=True) for line in failed)
-  assert all(log_filter.Shown(line, 0) for line in failed)
-  assert log_filter.Shown('W0000 00:00:1.5 7 x.cc:1] another warning', 0, drop_failed_ops=True)
-  for executable, python in ((sys.executable, True), ('/usr/bin/my_app', False), (None, False)):
-    monkeypatch.setattr(sys, 'executable', executable)
-    assert (failed_op_logs._Python() is not None) == python  # pylint: disable=protected-access
-  monkeypatch.setenv('TF_CPP_MIN_LOG_LEVEL', '0')
-  with failed_op_logs.Dropped():  # No Python to forward with: nothing redirected.
-    pass

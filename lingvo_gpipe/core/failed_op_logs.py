@@ -13,87 +13,27 @@ the filter with.
 """
 
 import contextlib
-import os
-import subprocess
-import sys
 import threading
 
-_LOG_FILTER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           'log_filter.py')
+from lingvo_gpipe.core import log_filter
+
 # One block redirects stderr at a time (another thread's would restore it early), and a
 # block within a block (a probed loss that probes a loss of its own) redirects nothing.
 _LOCK = threading.Lock()
 _IN_BLOCK = threading.local()
 
 
-def _Level():
-  level = os.environ.get('TF_CPP_MIN_LOG_LEVEL', '0')
-  return int(level) if level.isdigit() else 0
-
-
 @contextlib.contextmanager
 def Dropped():
   """Within the block, failed ops' warnings are dropped; other stderr lines are forwarded."""
-  if _Level() >= 2 or getattr(_IN_BLOCK, 'active', False):
+  level = log_filter.LogLevel()
+  if level >= 2 or getattr(_IN_BLOCK, 'active', False):
     yield
     return
   with _LOCK:
     _IN_BLOCK.active = True
     try:
-      with _Redirected():
+      with log_filter.Filtered(level, drop_failed_ops=True):
         yield
     finally:
       _IN_BLOCK.active = False
-
-
-def _FlushStderr():
-  try:
-    sys.stderr.flush()
-  except (AttributeError, ValueError):  # None, or closed.
-    pass
-
-
-def _Python():
-  """The interpreter to run log_filter.py, or None: a frozen or embedded application's
-  sys.executable is no Python."""
-  executable = sys.executable
-  if getattr(sys, 'frozen', False) or not isinstance(executable, str) or not (
-      os.path.basename(executable).lower().startswith('python')):
-    return None
-  return executable
-
-
-@contextlib.contextmanager
-def _Redirected():
-  """fd 2 into log_filter.py --drop_failed_ops; as it is if it cannot be."""
-  python = _Python()
-  _FlushStderr()
-  try:
-    saved = os.dup(2)
-  except OSError:  # No stderr.
-    saved = None
-  forward = None
-  if saved is not None and python is not None:
-    try:
-      # A session of its own: a Ctrl-C to this process's group does not stop the forwarding.
-      forward = subprocess.Popen([python, _LOG_FILTER, str(_Level()), '--drop_failed_ops'],
-                                 stdin=subprocess.PIPE, start_new_session=True)
-    except (OSError, ValueError):
-      pass
-  if forward is None:
-    if saved is not None:
-      os.close(saved)
-    yield
-    return
-  os.dup2(forward.stdin.fileno(), 2)
-  try:
-    yield
-  finally:
-    _FlushStderr()
-    os.dup2(saved, 2)
-    os.close(saved)
-    forward.stdin.close()
-    try:
-      forward.wait(timeout=10)  # Its lines come before this process's next ones.
-    except subprocess.TimeoutExpired:  # A child of the block holds the pipe: it goes on.
-      pass

@@ -1,0 +1,122 @@
+"""Sends this process's stderr through a filter of C++ log lines for a block: the lines a
+log level lets through (binaries.QuietTensorFlow's TensorFlow import), or all but the
+warnings of failed ops (failed_op_logs: the loss probe's).
+
+TensorFlow's libraries log while they load, before they read TF_CPP_MIN_LOG_LEVEL, and a
+failed op logs before its exception is raised: only a filter on file descriptor 2 sees the
+lines. The filter is this script, run as a process of its own: each line is forwarded (or
+dropped) as it comes, and what was read is out even if the block kills the process (an
+illegal instruction, an abort).
+
+  with log_filter.Filtered(LogLevel()):
+    import tensorflow
+
+  python log_filter.py <level>    # 0: every line; 3: none of INFO, WARNING, ERROR.
+  python log_filter.py <level> --drop_failed_ops
+
+Run as a script it imports nothing of the project, so it runs by path wherever the package
+lies.
+"""
+
+import contextlib
+import os
+import re
+import subprocess
+import sys
+
+# A C++ log line's severity letter (absl / glog format: 'I1127 07:52:30.5 ...').
+_SEVERITY = re.compile(r'([IWEF])\d{4} ')
+_LEVELS = {'I': 0, 'W': 1, 'E': 2, 'F': 3}
+_BEFORE_INIT = 'WARNING: All log messages before absl::InitializeLog() is called'
+# The warnings of a failed op: its kernel's, and its executor's that it stops (absl's
+# format, as TensorFlow 2.21 writes; earlier versions' own: '2024-10-14 21:27:37.4: W ...').
+_FAILED_OP = re.compile(r'(W\d{4} |\d{4}-\d\d-\d\d [\d:.]+: W ).*'
+                        r'(OP_REQUIRES failed at |Local rendezvous is aborting with status: )')
+
+
+def Shown(line, level, drop_failed_ops=False):
+  """Whether a line passes C++ log level `level` (and, with drop_failed_ops, is not a failed
+  op's warning); lines not in the log's format always do."""
+  if line.startswith(_BEFORE_INIT):
+    return level == 0
+  if drop_failed_ops and _FAILED_OP.match(line):
+    return False
+  severity = _SEVERITY.match(line)
+  return not severity or _LEVELS[severity.group(1)] >= level
+
+
+def LogLevel():
+  """TF_CPP_MIN_LOG_LEVEL as TensorFlow reads it: 0 unless a non-negative integer."""
+  level = os.environ.get('TF_CPP_MIN_LOG_LEVEL', '0')
+  return int(level) if level.isdigit() else 0
+
+
+def _FlushStderr():
+  try:
+    sys.stderr.flush()
+  except (AttributeError, ValueError):  # None, or closed.
+    pass
+
+
+def _Python():
+  """The interpreter to run this script with, or None: a frozen or embedded application's
+  sys.executable is no Python."""
+  executable = sys.executable
+  if getattr(sys, 'frozen', False) or not isinstance(executable, str) or not (
+      os.path.basename(executable).lower().startswith('python')):
+    return None
+  return executable
+
+
+def _Start(level, drop_failed_ops):
+  """The filter's process, or None where there is no Python to run it."""
+  python = _Python()
+  if python is None:
+    return None
+  command = [python, os.path.abspath(__file__), str(level)]
+  try:
+    # A session of its own: a Ctrl-C to this process's group does not stop the forwarding.
+    return subprocess.Popen(command + ['--drop_failed_ops'] * drop_failed_ops,
+                            stdin=subprocess.PIPE, start_new_session=True)
+  except (OSError, ValueError):
+    return None
+
+
+@contextlib.contextmanager
+def Filtered(level, drop_failed_ops=False):
+  """Within the block, fd 2 goes through the filter; as it is where it cannot (no stderr,
+  no Python to run the filter with)."""
+  _FlushStderr()
+  try:
+    saved = os.dup(2)
+  except OSError:  # No stderr.
+    saved = None
+  forward = _Start(level, drop_failed_ops) if saved is not None else None
+  if forward is None:
+    if saved is not None:
+      os.close(saved)
+    yield
+    return
+  os.dup2(forward.stdin.fileno(), 2)
+  try:
+    yield
+  finally:
+    _FlushStderr()
+    os.dup2(saved, 2)
+    os.close(saved)
+    forward.stdin.close()
+    try:
+      forward.wait(timeout=10)  # Its lines come before this process's next ones.
+    except subprocess.TimeoutExpired:  # A child of the block holds the pipe: it goes on.
+      pass
+
+
+def main(level, drop_failed_ops):
+  for raw in sys.stdin.buffer:
+    if Shown(raw.decode(errors='replace'), level, drop_failed_ops):
+      sys.stderr.buffer.write(raw)  # As written: bytes of any encoding.
+      sys.stderr.flush()
+
+
+if __name__ == '__main__':
+  main(int(sys.argv[1]), sys.argv[2:] == ['--drop_failed_ops'])
