@@ -1,11 +1,10 @@
 """Tests of re-materialization inside a stack (core/remat.py) against the plain layers without it."""
 
-import itertools
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import pairwise
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import memory_stats
@@ -147,11 +146,12 @@ def testBatchNormStatisticsAreRecordedOnceAsWithoutRemat(policy):
                [ref_bn.moving_mean, ref_bn.moving_variance])
 
 
-@pytest.mark.parametrize('policy,remat_mode,sched', itertools.product(
-    POLICIES, gpipe.REMAT_MODES, schedule.SCHEDULE_NAMES))
-def testPipelineEqualsThePlainModel(policy, remat_mode, sched):
-  """Every policy x remat mode x schedule: loss and gradients of the plain layers on the
-  whole batch, dropout included (each micro-batch draws its part of the batch's mask)."""
+@pytest.mark.parametrize('policy,sched,remat_mode', pairwise.EveryPair(
+    POLICIES, schedule.SCHEDULE_NAMES, gpipe.REMAT_MODES))
+def testPipelineEqualsThePlainModel(policy, sched, remat_mode):
+  """Every policy with every remat mode and every schedule, and every remat mode with
+  every schedule: loss and gradients of the plain layers on the whole batch, dropout
+  included (each micro-batch draws its part of the batch's mask)."""
   plain = _Plain(_LayerParams())
   pipe = gpipe.PipeliningLayer.Params().Set(
       name='pipe', cell_tpl=gpipe.CellsFromEnds(_LayerParams(), [3, 6]), num_micro_batches=2,

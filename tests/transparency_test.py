@@ -142,7 +142,7 @@ def _Configs():
     k = int(rng.integers(1, 5))
     ends = sorted(rng.choice(np.arange(1, NUM_LAYERS), k - 1, replace=False).tolist())
     configs.append(dict(
-        ends=ends + [NUM_LAYERS], m=int(rng.choice([1, 2, 4, 8])), r=int(rng.integers(1, 3)),
+        ends=ends + [NUM_LAYERS], m=int(rng.choice([1, 2, 4])), r=int(rng.integers(1, 3)),
         schedule=['gpipe', '1f1b'][i % 2], remat=['always', 'except_last', 'never'][i % 3],
         loop=['trainer', 'own'][(i // 2) % 2]))
   return configs
