@@ -50,6 +50,7 @@ import functools
 import warnings
 
 import keras
+from keras.src import backend as keras_backend  # AutocastScope: no public name.
 import numpy as np
 import tensorflow as tf
 
@@ -213,7 +214,11 @@ class PipelineModel(keras.Model):
     # Before compile() there is no optimizer: random ops then count their own calls.
     optimizer = getattr(self, 'optimizer', None)
     step = optimizer.iterations if training and optimizer is not None else None
-    with py_utils.Context(training=training, step=step):
+    # Under a mixed policy keras.Model.__call__ opens an autocast scope of the compute dtype;
+    # within it a float32 layer's weights reached the layer rounded to that dtype (predictions
+    # were Keras's with a float32 head's weights rounded to bfloat16). Each layer opens its
+    # own scope, as in fit(), whose train_step runs outside __call__.
+    with py_utils.Context(training=training, step=step), keras_backend.AutocastScope(None):
       return self._pipeline.FProp(self._pipeline.theta, inputs)
 
   def train_step(self, data):

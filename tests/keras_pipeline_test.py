@@ -367,6 +367,12 @@ def testALayersOwnDTypeHoldsUnderAMixedPolicy():
   losses = _Fit(pipe, x, y, batch_size=_BATCH), _Fit(seq, x, y, batch_size=_BATCH)
   np.testing.assert_allclose(*losses, rtol=1e-5)
   assert _RelativeDifference(pipe.get_weights(), seq.get_weights()) < 1e-5
+  # Inference too: the float32 layer's weights were rounded to bfloat16 in call() (2e-3).
+  pipe.set_weights(seq.get_weights())
+  np.testing.assert_allclose(pipe.predict(x, batch_size=_BATCH, verbose=0),
+                             seq.predict(x, batch_size=_BATCH, verbose=0), rtol=1e-5, atol=1e-6)
+  assert pipe.evaluate(x, y, batch_size=_BATCH, verbose=0) == pytest.approx(
+      seq.evaluate(x, y, batch_size=_BATCH, verbose=0), rel=1e-5)
 
 
 def testAFrozenModelFitsLikeSequential():
