@@ -46,6 +46,7 @@ its compute dtype and the weights stay float32; a layer given its own dtype (a
 float32 output layer, as Keras advises) computes in that, as in Keras.
 """
 
+import contextlib
 import functools
 import warnings
 
@@ -95,6 +96,13 @@ def _Flattened(layers):
   return out
 
 
+def _LossOption(loss, name, default=None):
+  """A loss object's or functools.partial's option `name` (default if it has none)."""
+  if isinstance(loss, functools.partial):
+    return loss.keywords.get(name, default)
+  return getattr(loss, name, default)
+
+
 @keras.saving.register_keras_serializable(package='lingvo_gpipe')
 class PipelineModel(keras.Model):
   """A keras.Model running a sequence of Keras layers as a GPipe pipeline (module doc).
@@ -131,6 +139,10 @@ class PipelineModel(keras.Model):
     # then warns of and ignores compile(jit_compile=True); see jit_compile above.
     self.supports_jit = False
     layers, shape = _LayersAndShape(layers)
+    # numpy integers (a sweep over np.arange, say) count as ints, as in input_shape.
+    num_stages, num_micro_batches, virtual_stages = (
+        int(n) if isinstance(n, np.integer) else n
+        for n in (num_stages, num_micro_batches, virtual_stages))
     # A ValueError naming a bad schedule or virtual_stages now, not at the first batch.
     self._whole_batch_loss = schedule_lib.ForPipeline(
         schedule, num_stages, num_micro_batches, virtual_stages).whole_batch_loss
@@ -182,8 +194,13 @@ class PipelineModel(keras.Model):
           self._layer_configs, shape)
       for layer_params in params_list:  # Each layer computes in its own policy, as in Keras.
         layer_params.fprop_dtype = _ComputeDType(layer_params.layer)
+      chunks = opts['num_stages'] * opts['virtual_stages']
+      if len(params_list) < chunks:
+        raise ValueError(f"{self.name}: {len(params_list)} layers cannot be cut into "
+                         f"num_stages * virtual_stages = {opts['num_stages']} * "
+                         f"{opts['virtual_stages']} = {chunks} chunks of one layer or more.")
       cells = gpipe.PartitionSequentialLayers(
-          params_list, opts['num_stages'] * opts['virtual_stages'],
+          params_list, chunks,
           tf.TensorShape((1,) + shape), cost=opts['cost'])
       p = gpipe.PipeliningLayer.Params().Set(
           name='pipeline', cell_tpl=cells, num_micro_batches=opts['num_micro_batches'],
@@ -216,9 +233,13 @@ class PipelineModel(keras.Model):
     step = optimizer.iterations if training and optimizer is not None else None
     # Under a mixed policy keras.Model.__call__ opens an autocast scope of the compute dtype;
     # within it a float32 layer's weights reached the layer rounded to that dtype (predictions
-    # were Keras's with a float32 head's weights rounded to bfloat16). Each layer opens its
-    # own scope, as in fit(), whose train_step runs outside __call__.
-    with py_utils.Context(training=training, step=step), keras_backend.AutocastScope(None):
+    # were Keras's with a float32 head's weights rounded to bfloat16). Cleared, each layer
+    # opens its own scope, as in fit(), whose train_step runs outside __call__; where Keras
+    # opened none (a policy that is not mixed), none is added.
+    autocast = (keras_backend.AutocastScope(None)
+                if keras_backend.get_autocast_scope() is not None
+                else contextlib.nullcontext())
+    with py_utils.Context(training=training, step=step), autocast:
       return self._pipeline.FProp(self._pipeline.theta, inputs)
 
   def train_step(self, data):
@@ -237,6 +258,9 @@ class PipelineModel(keras.Model):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if self._compile_loss is None:
       raise ValueError(f'{self.name}: fit() trains the loss of compile(loss=...); none given.')
+    if y is None:
+      raise ValueError(f"{self.name}: fit() got inputs but no targets (y), which compile()'s "
+                       'loss compares the outputs with.')
     if type(self).compute_loss is not keras.Model.compute_loss:
       raise ValueError(f'{self.name}: fit() trains the loss of compile(loss=...) on each '
                        'micro-batch, so an overridden compute_loss would not run; put the loss '
@@ -263,27 +287,29 @@ class PipelineModel(keras.Model):
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
   def _CheckLossMerges(self):
-    """A loss that is a mean over some labels (ignore_class) or weighted by the batch's
-    sum of sample weights (reduction='mean_with_sample_weight') cannot be merged from
+    """A loss of per-example values (reduction=None) is refused: fit() trains a scalar. A
+    loss that is a mean over some labels (ignore_class) or weighted by the batch's sum of
+    sample weights (reduction='mean_with_sample_weight') cannot be merged from
     micro-batches: refused unless the schedule takes the whole batch's loss ('gpipe'). Seen
     on loss objects and functools.partial; a function of your own is not looked into."""
-    if self._whole_batch_loss:
-      return
     schedule = self._options['schedule']
     for item in tf.nest.flatten(self.loss):
-      def Option(name, item=item):
-        if isinstance(item, functools.partial):
-          return item.keywords.get(name)
-        return getattr(item, name, None)
-
-      ignored = Option('ignore_class')
+      reduction = _LossOption(item, 'reduction', 'sum_over_batch_size')
+      if reduction in (None, 'none'):
+        raise ValueError(
+            f"{self.name}: the loss's reduction={reduction!r} returns a value per example, "
+            "and fit() trains one scalar per batch: use reduction='sum_over_batch_size' (the "
+            "mean) or 'sum'.")
+      if self._whole_batch_loss:
+        continue
+      ignored = _LossOption(item, 'ignore_class')
       if ignored is not None:
         raise ValueError(
             f"{self.name}: the loss's ignore_class={ignored} makes it a mean over the labels "
             f"that are not {ignored}, which schedule={schedule!r} cannot merge from its "
             "micro-batches' losses; use schedule='gpipe', or a loss that returns per-example "
             'values with sample weights that are 0 for those labels.')
-      if Option('reduction') == 'mean_with_sample_weight':
+      if reduction == 'mean_with_sample_weight':
         raise ValueError(
             f"{self.name}: the loss's reduction='mean_with_sample_weight' divides by the "
             f"batch's sum of sample weights, which schedule={schedule!r} cannot merge from "

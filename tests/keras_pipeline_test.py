@@ -375,6 +375,26 @@ def testALayersOwnDTypeHoldsUnderAMixedPolicy():
       seq.evaluate(x, y, batch_size=_BATCH, verbose=0), rel=1e-5)
 
 
+def testNumpyIntegersCountAsInts():
+  """np.int64(2) stages were refused as 'must be a positive int, got np.int64(2)'."""
+  pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=np.int64(2),
+                                      num_micro_batches=np.int32(4),
+                                      virtual_stages=np.int64(1), input_shape=(12,))
+  assert pipe.pipeline.num_stages == 2 and pipe.pipeline.params.num_micro_batches == 4
+  config = pipe.get_config()
+  assert [type(config[k]) for k in ('num_stages', 'num_micro_batches', 'virtual_stages')] == [
+      int] * 3
+
+
+@pytest.mark.parametrize('stages,virtual', [(5, 1), (2, 2)])
+def testTooFewLayersForTheChunksAreRefusedNamingTheChunks(stages, virtual):
+  """3 layers: 2 stages of 2 chunks were refused as 'into 4 non-empty stages'."""
+  with pytest.raises(ValueError, match=f'3 layers cannot be cut into num_stages \\* '
+                     f'virtual_stages = {stages} \\* {virtual} = {stages * virtual} chunks'):
+    keras_pipeline.PipelineModel(_Layers()[:3], num_stages=stages, virtual_stages=virtual,
+                                 schedule='interleaved_1f1b', input_shape=(12,))
+
+
 def testAFrozenModelFitsLikeSequential():
   """trainable = False: fit() logs the Sequential's losses and moves no weight."""
   keras.utils.set_random_seed(7)
@@ -445,6 +465,22 @@ def testAnAdaptedNormalizationPredictsLikeSequential():
   np.testing.assert_array_equal(pipe.predict(x, verbose=0), seq.predict(x, verbose=0))
   pipe = keras_pipeline.PipelineModel(seq, num_stages=1, input_shape=tf.TensorShape([12]))
   np.testing.assert_array_equal(pipe.predict(x, verbose=0), seq.predict(x, verbose=0))
+
+
+@pytest.mark.parametrize('sched', ['gpipe', '1f1b'])
+def testALossOfPerExampleValuesAndFitWithoutTargetsAreRefusedClearly(sched):
+  """reduction=None was refused as "Metric 'loss' must be a scalar, got shape (8,)", and
+  fit(x) without y as an input that holds no tensor to split ('1f1b')."""
+  x, y = _Data(32)
+  for reduction in (None, 'none'):
+    pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=2,
+                                        schedule=sched, input_shape=(12,))
+    pipe.compile('sgd', keras.losses.MeanSquaredError(reduction=reduction))
+    with pytest.raises(ValueError, match=re.escape(
+        f"the loss's reduction={reduction!r} returns a value per example")):
+      pipe.fit(x, y, batch_size=_BATCH, verbose=0)
+  with pytest.raises(ValueError, match=r'fit\(\) got inputs but no targets \(y\)'):
+    pipe.fit(x, batch_size=_BATCH, verbose=0)
 
 
 def testWhatAPipelineWouldDropOrChangeIsRefused():
@@ -555,7 +591,7 @@ def testMistakesOutsideGpipeAreOneLineErrors():
   pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=2,
                                       schedule='1f1b', input_shape=(12,))
   pipe.compile('sgd', keras.losses.MeanSquaredError(reduction=None))
-  with pytest.raises(ValueError, match=r"Metric 'loss' must be a scalar, got shape \(8,\)"):
+  with pytest.raises(ValueError, match=r"the loss's reduction=None returns a value per example"):
     pipe.fit(x, y, batch_size=_BATCH, verbose=0)
   with pytest.raises(ValueError, match=r"training=True is differentiated as a whole, which "
                      r"only schedule='gpipe' runs; fit\(\) trains with schedule='1f1b'"):
