@@ -237,6 +237,25 @@ def testMeasuringChangesNoResultEagerAndInTfFunction(k, m, remat, sched):
   _CheckTimeline(pipeline_stats.Timeline.FromRecords(fn_records), k, m, remat, sched)
 
 
+def testAMeasuredStepIsTracedOnce():
+  """The clocks' variables are made with the pipeline: made by the step's trace, they made
+  tf.function trace the step again."""
+  pipe = _Pipe(2, 2, 'always', '1f1b')
+  x = tf.random.stateless_normal([BATCH, DIM], [1, 2])
+  traces = []
+
+  @tf.function
+  def Measured():
+    traces.append(True)
+    records = []
+    with py_utils.Context(step_stats=records, step=tf.constant(0, tf.int64)):
+      loss, _ = pipe.ForwardBackward(pipe.theta, x, _Loss)
+    return loss, [r.end for r in records]
+
+  _, ends = Measured()
+  assert len(traces) == 1 and len(ends) == 2 * 2 * 2  # F and BW of 2 chunks x 2 micro-batches.
+
+
 def testStackTimesOfATracedFunctionAndTapeBackward():
   """A function traced once keeps its records as metadata and returns only the times."""
   pipe = _Pipe(2, 2, 'always')
