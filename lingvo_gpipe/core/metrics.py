@@ -719,3 +719,14 @@ def _Pairs(value):
   """name -> (value, weight) metric of loss_fn's value (bare scalars left out)."""
   items = value.items() if isinstance(value, dict) else [('loss', value)]
   return {k: v for k, v in items if _IsPair(v)}
+
+
+def RefuseWeightsRead(path, weights, read):
+  """Refuses a loss_fn that read some of a pipeline's `weights` (a weight penalty): its
+  backward starts from the gradients of the outputs, so that gradient would be lost."""
+  own = {v.ref() for v in weights}
+  names = [v.name for v in read if v.ref() in own]
+  if names:
+    raise ValueError(f'loss_fn reads weights of the pipeline {path} ({names}): their gradient '
+                     'through the loss would be lost. Add a weight penalty to the gradients '
+                     'ForwardBackward returns, outside it.')
