@@ -389,6 +389,8 @@ class MicroBatchLoss:
 
   @tf.autograph.experimental.do_not_convert
   def __call__(self, *args):
+    if self._num_parts == 1:  # The one micro-batch is the batch: its loss is loss_fn's.
+      return self._Call(*args)
     empty = microbatch.StaticBatchSize(args, self._batch_dim) == 0
     if empty and self._dtypes is not None:
       # Zeros, not loss_fn's value: some fail on no rows (Keras's, eagerly).
