@@ -59,6 +59,7 @@ from lingvo_gpipe import model_registry
 from lingvo_gpipe import pipeline_check
 from lingvo_gpipe import preemption
 from lingvo_gpipe import run_lock
+from lingvo_gpipe.core import executor
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import memory_stats
 from lingvo_gpipe.core import pipeline_params
@@ -271,6 +272,8 @@ def _Instantiate(model_params, train_dir, with_learner=False):
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
     learner = learner_lib.Learner(task.params.train, task.trainable_variables,
                                   global_step) if with_learner else None
+    for pipe in _Pipelines(task) if with_learner else []:
+      executor.CreateGradientSums(pipe)
   except ValueError as e:  # A bad config, e.g. from an override (the optimizer's too).
     raise base_runner.UserError(f'Cannot build the task: {e}') from None
   checkpointer = checkpointer_lib.Checkpointer(

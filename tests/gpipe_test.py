@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import executor
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import memory_stats
@@ -251,10 +252,10 @@ def testEagerStepsTraceEachCellFunctionOnce(sched, caplog):
 
 @pytest.mark.parametrize('k,m,sched', [(4, 8, 'gpipe'), (2, 4, '1f1b'), (4, 2, '1f1b')])
 def testInsideTfFunction(k, m, sched):
-  """Exact, and traced once where a step is given (as the trainer gives it): a trace that
-  made variables (the gradient sums, made by the first backward) made tf.function trace the
-  step again, seconds of every run's start."""
+  """Exact, and traced once where a step is given and the gradient sums are made (as the
+  trainer does): a trace that makes variables makes tf.function trace the step again."""
   pipe = _Pipe(k, m, 'except_last', sched)
+  executor.CreateGradientSums(pipe)
   x = _Input()
   ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
   traces = []

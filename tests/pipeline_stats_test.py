@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from lingvo_gpipe.core import executor
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import pipeline_stats
@@ -239,8 +240,9 @@ def testMeasuringChangesNoResultEagerAndInTfFunction(k, m, remat, sched):
 
 def testAMeasuredStepIsTracedOnce():
   """The clocks' variables are made with the pipeline: made by the step's trace, they made
-  tf.function trace the step again."""
+  tf.function trace the step again (as would the gradient sums, made here first)."""
   pipe = _Pipe(2, 2, 'always', '1f1b')
+  executor.CreateGradientSums(pipe)
   x = tf.random.stateless_normal([BATCH, DIM], [1, 2])
   traces = []
 

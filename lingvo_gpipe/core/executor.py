@@ -86,34 +86,48 @@ class GradientSum:
   one and the micro-batch's gradients at once: three copies of the chunk's
   weights. Added in place, one tensor as soon as the backward makes it, the
   sum is one copy beside the gradients not yet added. The variables are made
-  with the pipeline, on the chunk's device, outside the model: not trainable,
-  not saved. Made by the first step instead, they made tf.function trace that
-  step twice (it traces again when a trace creates variables): seconds of every
-  trainer's and Keras fit's start. They keep their memory between passes; a
-  read of the sum stays what it was when the next pass writes (TensorFlow
-  copies a variable read elsewhere first).
+  once, on the chunk's device, outside the model: not trainable, not saved.
+  They keep their memory between passes; a read of the sum stays what it was
+  when the next pass writes (TensorFlow copies a variable read elsewhere first).
   """
 
-  def __init__(self, device, name, theta):
-    """`name` is unique per pipeline, replica and chunk; `theta` is the chunk's variables."""
-    with tf.init_scope(), tf.device(device):
-      self._sums = [tf.Variable(tf.zeros(x.shape, x.dtype), trainable=False,
-                                name=f'{SCRATCH_SCOPE}/{name}/grad_sum{i}')
-                    for i, x in enumerate(tf.nest.flatten(theta))]
+  def __init__(self, device, name):
+    self._device = device
+    self._name = name  # Unique per pipeline, replica and chunk.
+    self._sums = None
 
-  def Add(self, grads, first):
+  def Variables(self, theta):
+    """The sum's variables, shaped like theta (made on first use: the caller of a tf.function
+    that adds makes them, as one made while tracing would make it trace again)."""
+    if self._sums is None:
+      with tf.init_scope(), tf.device(self._device):
+        self._sums = [tf.Variable(tf.zeros(x.shape, x.dtype), trainable=False,
+                                  name=f'{SCRATCH_SCOPE}/{self._name}/grad_sum{i}')
+                      for i, x in enumerate(tf.nest.flatten(theta))]
+    return self._sums
+
+  def Add(self, theta, grads, first):
     """Adds `grads` (the first of a pass replaces the last pass's sum); returns a token that
     exists once they are added."""
     update = 'assign' if first else 'assign_add'
     ops = [getattr(s, update)(g, read_value=False)
-           for s, g in zip(self._sums, tf.nest.flatten(grads))]
+           for s, g in zip(self.Variables(theta), tf.nest.flatten(grads))]
     with tf.control_dependencies([op for op in ops if op is not None]):
       return tf.constant(True)
 
   def Read(self, theta, token):
     """The sum, shaped like theta, once the add that made `token` is done."""
     with tf.control_dependencies(_Tokens(token)):
-      return tf.nest.pack_sequence_as(theta, [s.read_value() for s in self._sums])
+      return tf.nest.pack_sequence_as(theta, [s.read_value() for s in self.Variables(theta)])
+
+
+def CreateGradientSums(layer):
+  """Makes a PipeliningLayer's gradient sums now, shaped like its cells' variables (tied ones
+  included, so once the model is whole): the trainer calls it before it traces its step,
+  which would otherwise make them and so trace twice (seconds of every start)."""
+  for functions in layer.cell_functions:
+    for function, cell in zip(functions, layer.cell):
+      function.grad_sum.Variables(cell.vars)
 
 
 def _MayBeEmpty(rows):
@@ -122,7 +136,7 @@ def _MayBeEmpty(rows):
   return not (isinstance(rows, int) and rows > 0)
 
 
-def _Accumulate(total, grads, added, rows):
+def _Accumulate(total, theta, grads, added, rows):
   """Adds a chunk's weight gradients of a micro-batch of `rows` rows to its GradientSum
   `total`, after the add that made the token `added` (None before the pass's first); returns
   the token of this add. An empty micro-batch adds zeros: its gradients are 0 but where a
@@ -132,7 +146,7 @@ def _Accumulate(total, grads, added, rows):
         lambda g: tf.where(rows > 0, g, tf.zeros_like(g)), tf.nest.map_structure(
             tf.convert_to_tensor, grads))
   with tf.control_dependencies(_Tokens(added)):
-    return total.Add(grads, first=added is None)
+    return total.Add(theta, grads, first=added is None)
 
 
 def _Watch(tape, theta, args):
@@ -260,8 +274,7 @@ class CellFunctions:
     self._forward = py_utils.DistinctFunction(self._Forward, **options)
     self._backward = py_utils.DistinctFunction(self._Backward, **options)
     self._first_backward = py_utils.DistinctFunction(self._FirstBackward, **options)
-    self.grad_sum = GradientSum(device, f'{layer.path}/replica{replica}/chunk{chunk}',
-                                layer.cell[chunk].vars)
+    self.grad_sum = GradientSum(device, f'{layer.path}/replica{replica}/chunk{chunk}')
 
   def _Forward(self, theta, args, where, training):
     updates = []
@@ -283,7 +296,7 @@ class CellFunctions:
       d_args, d_theta = _CellGradients(tape, targets, grads_in, args if arg_grads else None,
                                        theta)
       rows = where[1] if may_be_empty else 1
-      return d_args, _Accumulate(self.grad_sum, d_theta, added, rows), recomputed
+      return d_args, _Accumulate(self.grad_sum, theta, d_theta, added, rows), recomputed
 
   def _FirstBackward(self, theta, args, grads_in, where, training, clock, arg_grads,
                      may_be_empty):
@@ -386,6 +399,11 @@ class Pass:
     self.tokens = [[] for _ in self.devices]
     self.earlier_tokens = [[] for _ in self.devices]  # Those of the action before last.
     self.updates = []
+    if keep_inputs:
+      # Made now, not by the first backward: a backward may run where no variable can be
+      # made (a tape's gradient, in a caller's function traced again).
+      for function, theta in zip(self.functions, thetas):
+        function.grad_sum.Variables(theta)
     self._handlers = {F: self._Forward, B: self._InputGrad, W: self._WeightGrad,
                       BW: self._Backward}
 
@@ -524,7 +542,7 @@ class Pass:
       tape, args, targets, _, grads_in, start = self._FromForwardTape(device, m, c, grads_in)
       d_args, d_theta = _CellGradients(tape, targets, grads_in,
                                        args if self._WantsArgGrads(c) else None, self.thetas[c])
-      self.theta_grads[c] = _Accumulate(self.functions[c].grad_sum, d_theta,
+      self.theta_grads[c] = _Accumulate(self.functions[c].grad_sum, self.thetas[c], d_theta,
                                         self.theta_grads[c], self.sizes[m])
       recomputed = None
     else:
@@ -571,7 +589,7 @@ class Pass:
     # Gradient ops are named after the forward they differentiate (B's recompute): named
     # here too, W's outputs show in graphs and traces as W's.
     d_theta = tf.nest.map_structure(tf.identity, d_theta)
-    self.theta_grads[c] = _Accumulate(self.functions[c].grad_sum, d_theta,
+    self.theta_grads[c] = _Accumulate(self.functions[c].grad_sum, self.thetas[c], d_theta,
                                       self.theta_grads[c], self.sizes[m])
     return self._End(device, action, start, self.theta_grads[c])
 
