@@ -503,8 +503,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       metrics = metrics_lib.AsMetrics(value)
       loss, weight = metrics.loss
       weighted = loss * tf.stop_gradient(weight)
-    metrics_lib.RefuseWeightsRead(self.path, self.trainable_variables,
-                                  tape.watched_variables())
+    metrics_lib.RefuseWeightsRead(self, tape.watched_variables())
     grads = tape.gradient(weighted, floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     weighs = tf.not_equal(weight, 0)
     grads = iter(tf.where(weighs, g, tf.zeros_like(g)) for g in map(tf.convert_to_tensor, grads))

@@ -723,12 +723,13 @@ def _Pairs(value):
   return {k: v for k, v in items if _IsPair(v)}
 
 
-def RefuseWeightsRead(path, weights, read):
-  """Refuses a loss_fn that read some of a pipeline's `weights` (a weight penalty): its
-  backward starts from the gradients of the outputs, so that gradient would be lost."""
-  own = {v.ref() for v in weights}
+def RefuseWeightsRead(layer, read):
+  """Refuses a loss_fn that read some of a pipeline `layer`'s weights (a weight penalty): its
+  backward starts from the gradients of the outputs, so that gradient would be lost. `read`:
+  the variables loss_fn read (usually none, so the layer's own are not listed)."""
+  own = {v.ref() for v in layer.trainable_variables} if read else set()
   names = [v.name for v in read if v.ref() in own]
   if names:
-    raise ValueError(f'loss_fn reads weights of the pipeline {path} ({names}): their gradient '
-                     'through the loss would be lost. Add a weight penalty to the gradients '
-                     'ForwardBackward returns, outside it.')
+    raise ValueError(f'loss_fn reads weights of the pipeline {layer.path} ({names}): their '
+                     'gradient through the loss would be lost. Add a weight penalty to the '
+                     'gradients ForwardBackward returns, outside it.')
