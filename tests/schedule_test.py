@@ -247,9 +247,10 @@ def testAUsersOwnOrder():
     ('schedule x K=1 M=0 v=1\ndevice0:', 'M=0 in its first line; expected at least 1'),
     # The header's K and v are what runs: a device idle, or with other than v chunks, is not.
     ('schedule x K=2 M=1 v=1\ndevice0: F0@0 F0@1 L0@1 BW0@1 BW0@0\ndevice1:',
-     r'device0 runs chunks \[0, 1\]; v=1 gives each device 1'),
+     r'Schedule text: placement puts chunks \[0, 1\] on device 0; v=1 gives each of the K=2 '
+     'devices 1'),
     ('schedule x K=2 M=1 v=2\ndevice0: F0@0 F0@1 F0@2 BW0@2 BW0@1 BW0@0\n'
-     'device1: F0@3 L0@3 BW0@3', r'device0 runs chunks \[0, 1, 2\]; v=2 gives each device 2'),
+     'device1: F0@3 L0@3 BW0@3', r'placement puts chunks \[0, 1, 2\] on device 0; v=2 gives'),
     # Refused before the checker lists the 60 billion actions such an M implies.
     ('schedule x K=1 M=20000000000 v=1\ndevice0: F0@0 L0@0 BW0@0',
      r'M=20000000000 micro-batches through K=1 x v=1 chunks need 20000000000 forwards; the '
@@ -274,6 +275,25 @@ def testBadText(text, match):
 def testCheckerRefusesBadOrders(orders, placement, m, match):
   with pytest.raises(ValueError, match=match):
     schedule.Schedule('mine', len(orders), m, orders=orders, placement=placement)
+
+
+@pytest.mark.parametrize('kwargs,match', [
+    # The name heads the text: with a space it would not read back.
+    (dict(name='my order'), "one word .* got 'my order'"),
+    (dict(name=''), "one word .* got ''"),
+    (dict(placement=None), 'both orders .* and placement'),
+    # Two chunks on two devices are v=1: v=2 printed a text that did not read back.
+    (dict(virtual_stages=2), r'placement has 2 chunks; K=2 devices x v=2 chunks each need 4'),
+    (dict(placement=[0, 0]), r'placement puts chunks \[0, 1\] on device 0; v=1 gives each'),
+])
+def testOwnOrdersAreCheckedBeforeTheyRun(kwargs, match):
+  orders = [[A(F, 0, 0), A(BW, 0, 0)], [A(F, 0, 1), A(L, 0, 1), A(BW, 0, 1)]]
+  args = dict(name='mine', num_stages=2, num_micro_batches=1, orders=orders, placement=[0, 1])
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    schedule.Schedule(**args)
+  good = schedule.Schedule('mine', 2, 1, orders=orders, placement=[0, 1])
+  assert schedule.Schedule.FromText(good.ToText()).orders == good.orders
 
 
 def testCheckerFindsADeadlock():
@@ -301,9 +321,12 @@ def testSimulateWithMeasuredCosts():
     (('1f1b', 2, 1.5), 'num_micro_batches must be a positive int, got 1.5'),
     (('zbv', 2, 2, 1), "'zbv' runs 2 chunk"),
     (('1f1b', 2, 2, 2), "'1f1b' runs 1 chunk"),
+    (('interleaved_1f1b', 2, 2, 0), 'virtual_stages must be a positive int, got 0'),
     (('interleaved_1f1b', 4, 6, 2), r'num_micro_batches=6 must be at most K or a multiple of '
                                     r'K \(e.g. 4 or 8\)'),
 ])
 def testBadArguments(args, match):
   with pytest.raises(ValueError, match=match):
     schedule.Schedule(*args)
+  with pytest.raises(ValueError, match=match):  # What the simulator and planner call.
+    schedule.Orders(*args)

@@ -438,9 +438,29 @@ def Simulate(orders, placement, num_micro_batches, cost=None):
   return times
 
 
+def _CheckSizes(num_stages, num_micro_batches, virtual_stages):
+  for what, value in (('num_stages', num_stages), ('num_micro_batches', num_micro_batches),
+                      ('virtual_stages', virtual_stages)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f'{what} must be a positive int, got {value!r}.')
+
+
+def _CheckPlacement(placement, num_stages, virtual_stages):
+  """A user's chunk devices: K x v chunks, v on each of the K devices."""
+  if len(placement) != num_stages * virtual_stages:
+    raise ValueError(f'placement has {len(placement)} chunks; K={num_stages} devices x '
+                     f'v={virtual_stages} chunks each need {num_stages * virtual_stages}.')
+  for device in range(num_stages):
+    chunks = [c for c, d in enumerate(placement) if d == device]
+    if len(chunks) != virtual_stages:
+      raise ValueError(f'placement puts chunks {chunks} on device {device}; v={virtual_stages} '
+                       f'gives each of the K={num_stages} devices {virtual_stages}.')
+
+
 def Orders(name, num_stages, num_micro_batches, virtual_stages=1):
   """(per-device action orders, device of each chunk) of schedule `name`, unchecked: what
   Schedule checks and runs, and what the simulator takes for sizes Python cannot time."""
+  _CheckSizes(num_stages, num_micro_batches, virtual_stages)
   if name not in _VIRTUAL_STAGES:
     raise ValueError(f'Unknown schedule {name!r}; expected one of {list(SCHEDULE_NAMES)}.')
   wanted = _VIRTUAL_STAGES[name]
@@ -508,12 +528,15 @@ class Schedule:
 
   def __init__(self, name, num_stages, num_micro_batches, virtual_stages=1, orders=None,
                placement=None):
-    for what, value in (('num_stages', num_stages), ('num_micro_batches', num_micro_batches),
-                        ('virtual_stages', virtual_stages)):
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f'{what} must be a positive int, got {value!r}.')
+    if not isinstance(name, str) or not re.fullmatch(r'\S+', name):
+      raise ValueError(f'A schedule name is one word (it heads the schedule text), got {name!r}.')
+    if (orders is None) != (placement is None):
+      raise ValueError('A schedule of your own gives both orders (per device) and placement '
+                       '(the device of each chunk); got only one of them.')
     if orders is None:
       orders, placement = Orders(name, num_stages, num_micro_batches, virtual_stages)
+    _CheckSizes(num_stages, num_micro_batches, virtual_stages)
+    _CheckPlacement(placement, num_stages, virtual_stages)
     if len(orders) != num_stages:
       raise ValueError(f'Got orders for {len(orders)} devices; expected num_stages={num_stages}.')
     self.name = name
@@ -594,12 +617,10 @@ class Schedule:
           placement[a.chunk] = device
     if None in placement:
       raise ValueError(f'Schedule text: chunk {placement.index(None)} of {k * v} has no actions.')
-    for device in range(k):
-      chunks = [c for c in range(k * v) if placement[c] == device]
-      if len(chunks) != v:
-        raise ValueError(f'Schedule text: device{device} runs chunks {chunks}; v={v} gives each '
-                         f'device {v}.')
-    return cls(name, k, m, v, orders=orders, placement=placement)
+    try:
+      return cls(name, k, m, v, orders=orders, placement=placement)
+    except ValueError as e:
+      raise ValueError(f'Schedule text: {e}') from None
 
   def __str__(self):
     """A grid: one row per device, one column per unit of time, cells like F3, B0 or W1.
