@@ -1115,6 +1115,14 @@ def testBadCellsAndDevicesAreClearErrors():
     gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells, devices=cpus,
                                        schedule='interleaved_1f1b',
                                        virtual_stages=2).Instantiate()
+  # One device listed twice stacks two stages there, as reuse does: only when asked for.
+  with pytest.raises(ValueError, match=r"lists one device twice \('/device:CPU:0' and "
+                     r"'/cpu:0'\) .* allow_device_reuse=True"):
+    gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells,
+                                       devices=['/device:CPU:0', '/cpu:0']).Instantiate()
+  reused = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells, devices=cpus[:1] * 2,
+                                              allow_device_reuse=True).Instantiate()
+  assert reused.ReplicaDevices(0) == cpus[:1] * 2
   with pytest.raises(ValueError, match=r"devices must be a list .* the string '/device:CPU:0'"):
     gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells,
                                        devices='/device:CPU:0').Instantiate()

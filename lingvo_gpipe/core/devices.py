@@ -89,6 +89,8 @@ def StageDevices(num_stages, devices=None, allow_reuse=False, num_replicas=1):
         f'{needed}, replica-major.')
   if not devices:
     raise ValueError('No devices to place pipeline stages on.')
+  if explicit and not allow_reuse:
+    _RefuseRepeats(devices)
   if len(devices) < needed and not allow_reuse:
     source = 'given' if explicit else 'found (tf.config.list_logical_devices)'
     layout = f'{num_replicas} replicas x {num_stages} stages' if num_replicas > 1 else (
@@ -98,3 +100,15 @@ def StageDevices(num_stages, devices=None, allow_reuse=False, num_replicas=1):
         f'{source}: {devices}. Add devices (e.g. tf.config.set_logical_device_configuration '
         'for CPU) or set allow_device_reuse=True to place stages round-robin.')
   return [devices[k % len(devices)] for k in range(needed)]
+
+
+def _RefuseRepeats(devices):
+  """Two stages listed on one device stack their memory there, as reuse does: say so."""
+  seen = {}
+  for name in devices:
+    key = tf.DeviceSpec.from_string(name).to_string()
+    if key in seen:
+      raise ValueError(f'devices lists one device twice ({seen[key]!r} and {name!r}) in '
+                       f'{devices}: give distinct devices, or set allow_device_reuse=True to '
+                       'stack stages on one device.')
+    seen[key] = name

@@ -40,7 +40,7 @@ def MakePipeline(stages, replicas=1, devices=None, num_micro_batches=2):
       activation='RELU' if k + 1 < stages else 'NONE') for k in range(stages)]
   return gpipe.PipeliningLayer.Params().Set(
       name='pipe', cell_tpl=cells, num_micro_batches=num_micro_batches, devices=devices,
-      num_replicas=replicas).Instantiate()
+      num_replicas=replicas, allow_device_reuse=True).Instantiate()
 
 
 def Batch():
