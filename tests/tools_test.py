@@ -42,7 +42,7 @@ def _TinyArgs(tmp):
                       '--json'],
       'plan_balance': ['--model=mlp', '--layers=4', '--width=32', '--hidden=64', '--rows=16',
                        '--stages=2', '--micro_batches=2', '--repeats=1', f'--out={tmp}/plan.json',
-                       '--remat_policy=none,every_layer'],
+                       '--remat_policy=none,every_layer', '--schedule=zb_h1'],
       'cluster_benchmark': ['--layers=2', '--width=32', '--hidden=64', '--rows=64',
                             '--micro_batches=1,2', '--schedules=gpipe,zb_h1', '--calls=1',
                             '--steps_per_call=1',
@@ -154,6 +154,14 @@ def testMemoryCurves(runs):
     ('pipeline_benchmark', ['--micro_batches='],
      'flag --micro_batches=: expected positive integers'),
     ('simulate_schedule', ['--schedules=bogus'], "error: Unknown schedule 'bogus'"),
+    ('simulate_schedule', ['--schedules='], '--schedules is empty'),
+    ('plan_balance', ['--model=mlp', '--layers=4', '--stages=9'],
+     'plan_balance: error: Cannot split 4 layers into 9 non-empty stages'),
+    ('plan_balance', ['--schedule=zbv'], "flag --schedule=zbv: value should be one of"),
+    ('plan_balance', ['--model=lm.synthetic.GPipeTransformerLmTiny',
+                      "--model_params_override=task.stack.schedule : 'zbv'; "
+                      'task.stack.virtual_stages : 2'],
+     'runs schedule zbv (virtual_stages=2); a plan runs one chunk per device'),
 ])
 def testBadFlagsStopBeforeAnythingRuns(tool, args, message):
   proc = _Start(tool, *args)
@@ -274,6 +282,12 @@ def testPlanBalance(runs):
     cells = [c.strip() for c in row.strip('|').split('|')]
     marked = cells[5].endswith(' *')
     assert marked == bool(unmeasured.intersection(cells[3].split(', '))), (row, unmeasured)
+  # The simulator predicts the plan's step as the planner did: B and W as measured (the
+  # recompute with B), not half the backward each.
+  out, _ = _Finish(_Start('simulate_schedule', f'--plan={runs["plan_balance"][1]}/plan.json',
+                          '--schedules=zb_h1', '--micro_batches=2'))
+  step_ms = json.loads(out[out.index('\n[') + 1:])[0]['step_ms']
+  assert step_ms == pytest.approx(plan_json['predicted']['step_time_s'] * 1e3)
 
 
 def testPlanBalanceChoosesMScheduleAndRemat(tmp_path):

@@ -46,8 +46,9 @@ flags.DEFINE_integer('stages', None, 'K; default the model\'s.', lower_bound=1)
 flags.DEFINE_integer('micro_batches', None, 'M; default the model\'s. With --choose, the M '
                      'whose micro-batch the layers are profiled at (the choice tries every M).',
                      lower_bound=1)
-flags.DEFINE_enum('schedule', None, list(schedule_lib.SCHEDULE_NAMES),
-                  'Schedule; default the model\'s.')
+flags.DEFINE_enum('schedule', None, list(schedule_lib.ONE_CHUNK_SCHEDULES),
+                  "Schedule; default the model's. Plans run one chunk per device, so "
+                  'interleaved_1f1b and zbv are not among them.')
 flags.DEFINE_enum('remat', None, ['always', 'except_last', 'never'],
                   'Re-materialization; default the model\'s.')
 flags.DEFINE_list('remat_policy', None,
@@ -108,7 +109,10 @@ def _Profile(tf):
     layer_params, shape = bench_utils.LayerParams(bench_utils.FlagsConfig(FLAGS))
     k, m = FLAGS.stages or 4, FLAGS.micro_batches or 8
     _MicroBatches(shape[0], m)
-    cells = gpipe.PartitionSequentialLayers(layer_params, k, tf.TensorShape(shape), 'flops')
+    try:
+      cells = gpipe.PartitionSequentialLayers(layer_params, k, tf.TensorShape(shape), 'flops')
+    except ValueError as e:
+      sys.exit(f'plan_balance: error: {e}')
     pipe = gpipe.PipeliningLayer.Params().Set(name=FLAGS.model, cell_tpl=cells)
     layer_params, own = pipeline_params.LayersAndEnds(pipe)
     profiles = profiler.ProfileLayers(layer_params, tf.TensorSpec(shape), shape[0] // m,
@@ -127,10 +131,15 @@ def _Profile(tf):
   m = _MicroBatches(params.input.batch_size, FLAGS.micro_batches or pipe.num_micro_batches,
                     None if FLAGS.micro_batches else pipe.micro_batch_size, pipe.num_replicas)
   rows = -(-params.input.batch_size // pipe.num_replicas)  # One replica's: what it plans.
+  schedule = FLAGS.schedule or pipe.schedule
+  if not FLAGS.choose and schedule not in schedule_lib.ONE_CHUNK_SCHEDULES:
+    sys.exit(f'plan_balance: error: {FLAGS.model} runs schedule {schedule_lib.Name(schedule)} '
+             f'(virtual_stages={pipe.virtual_stages}); a plan runs one chunk per device: give '
+             f'--schedule (one of {", ".join(schedule_lib.ONE_CHUNK_SCHEDULES)}) or --choose.')
   _, own = pipeline_params.LayersAndEnds(pipe)
   profiles, glued = planner.PipelineProfiles(pipe, rows // m, FLAGS.repeats, progress=Progress)
-  return (profiles, glued, own, k, m, FLAGS.schedule or pipe.schedule,
-          FLAGS.remat or pipe.remat, pipe.cell_remat_policy, rows)
+  return (profiles, glued, own, k, m, schedule, FLAGS.remat or pipe.remat,
+          pipe.cell_remat_policy, rows)
 
 
 def _MicroBatches(rows, m, micro_batch_size=None, replicas=1):

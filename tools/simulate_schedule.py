@@ -32,6 +32,7 @@ bench_utils.DefineCounts('stages', ['4', '64', '1024'], 'K values (ignored with 
 bench_utils.DefineCounts('micro_batches', ['16', '512', '8192'], 'M values.')
 flags.DEFINE_list('schedules', ['gpipe', '1f1b'],
                   f'Schedules, of {list(schedule_lib.SCHEDULE_NAMES)}.')
+flags.register_validator('schedules', bool, '--schedules is empty: give at least one schedule.')
 flags.DEFINE_float('forward_ms', 1.0, 'Forward time of a micro-batch per stage.',
                    lower_bound=0.0)
 flags.DEFINE_float('backward_ms', 2.0, 'Backward time (with any recompute) per stage.',
@@ -55,7 +56,8 @@ flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.
 
 
 def _Cases():
-  """(K, M, forward ms per stage, backward ms per stage, MiB kept per micro-batch)."""
+  """(K, M, ms per stage of forward, backward, input gradient and weight gradient (None:
+  half the backward each), MiB kept per micro-batch)."""
   ms = [int(m) for m in FLAGS.micro_batches]
   if FLAGS.plan:
     from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
@@ -63,11 +65,11 @@ def _Cases():
       plan = planner.LoadPlan(FLAGS.plan)
     except ValueError as e:
       sys.exit(f'simulate_schedule: error: {e}')
-    forward, backward = plan.StageCosts()
+    costs = [[t * 1e3 / FLAGS.speedup for t in stages]
+             for stages in plan.StageCosts() + plan.SplitBackwardCosts()]
     kept = [plan.layers[j].input_bytes / 2**20 for j in [0] + plan.ends[:-1]]
-    return [(plan.num_stages, m, [f * 1e3 / FLAGS.speedup for f in forward],
-             [b * 1e3 / FLAGS.speedup for b in backward], kept) for m in ms]
-  return [(k, m, FLAGS.forward_ms, FLAGS.backward_ms, FLAGS.activation_mb)
+    return [(plan.num_stages, m, *costs, kept) for m in ms]
+  return [(k, m, FLAGS.forward_ms, FLAGS.backward_ms, None, None, FLAGS.activation_mb)
           for k in map(int, FLAGS.stages) for m in ms]
 
 
@@ -87,7 +89,7 @@ def main(argv):
                f'to {actions} actions (over --trace_max_actions={FLAGS.trace_max_actions}, '
                f'about {actions * 200 / 2**20:.0f} MB); trace a smaller case first.')
   results = []
-  for i, (name, k, m, forward, backward, kept) in enumerate(cases, 1):
+  for i, (name, k, m, forward, backward, input_grad, weight_grad, kept) in enumerate(cases, 1):
     v = bench_utils.VIRTUAL_STAGES.get(name, 1)
     if v > 1 and FLAGS.plan:
       sys.exit(f'simulate_schedule: error: {name} runs {v} chunks per device; a balance plan '
@@ -96,7 +98,8 @@ def main(argv):
     try:
       prediction = simulator.Simulate(simulator.Orders(name, k, m, v), _Chunks(forward, v),
                                       _Chunks(backward, v), transfer_cost=FLAGS.transfer_ms,
-                                      activation_bytes=_Chunks(kept, v))
+                                      activation_bytes=_Chunks(kept, v),
+                                      input_grad_cost=input_grad, weight_grad_cost=weight_grad)
     except ValueError as e:  # An unknown schedule, or an M it cannot run.
       sys.exit(f'simulate_schedule: error: {e}')
     seconds = time.perf_counter() - start

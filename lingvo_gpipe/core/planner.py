@@ -41,6 +41,7 @@ from lingvo_gpipe.core import partition
 from lingvo_gpipe.core import pipeline_params
 from lingvo_gpipe.core import profiler
 from lingvo_gpipe.core import remat as remat_lib
+from lingvo_gpipe.core import schedule as schedule_lib
 from lingvo_gpipe.core import simulator
 
 PLAN_FORMAT = 'lingvo_gpipe.balance_plan.v1'
@@ -67,7 +68,7 @@ class NoFitError(ValueError):
 
 
 # Schedules a plan can take: one chunk per device, as the plan's stages are.
-PLANNABLE_SCHEDULES = ('gpipe', '1f1b', 'zb_h1', 'zb_h2')
+PLANNABLE_SCHEDULES = schedule_lib.ONE_CHUNK_SCHEDULES
 # Predicted step times this close to the fastest are a tie, which the least memory wins:
 # profiles differ by more than this from run to run.
 TIE_FRACTION = 0.005
@@ -298,14 +299,20 @@ class Plan:
     model = self._Model()
     return [float(model.Memory(j, i)) for j, i in self._Bounds()]
 
+  def SplitBackwardCosts(self):
+    """(input gradient B, weight gradient W) seconds per stage, for a zero-bubble schedule's
+    split backward: the recompute goes with B, not half to each."""
+    model = self._Model()
+    return ([float(model.InputGrad(j, i)) for j, i in self._Bounds()],
+            [float(model.WeightGrad(j, i)) for j, i in self._Bounds()])
+
   def Predict(self):
     """simulator.Prediction of one step with the planned stages."""
     forward, backward = self.StageCosts()
-    model = self._Model()
+    input_grad, weight_grad = self.SplitBackwardCosts()
     return simulator.Simulate(
         simulator.Orders(self.schedule, self.num_stages, self.num_micro_batches), forward,
-        backward, input_grad_cost=[float(model.InputGrad(j, i)) for j, i in self._Bounds()],
-        weight_grad_cost=[float(model.WeightGrad(j, i)) for j, i in self._Bounds()])
+        backward, input_grad_cost=input_grad, weight_grad_cost=weight_grad)
 
   def Stages(self):
     """Per stage: its layer names, seconds and bytes (what tools print)."""

@@ -312,6 +312,8 @@ def _Orders(name, num_stages, num_micro_batches, virtual_stages, placement):
 _VIRTUAL_STAGES = {'gpipe': 1, '1f1b': 1, 'interleaved_1f1b': None, 'zb_h1': 1, 'zb_h2': 1,
                    'zbv': 2}
 SCHEDULE_NAMES = tuple(_VIRTUAL_STAGES)
+# Schedules of one chunk per device: what a balance plan's stages (core/planner.py) run.
+ONE_CHUNK_SCHEDULES = tuple(name for name, v in _VIRTUAL_STAGES.items() if v == 1)
 # Schedules whose loss is the whole batch's (the others call it per micro-batch).
 WHOLE_BATCH_LOSS = ('gpipe',)
 
