@@ -53,8 +53,11 @@ def _TinyArgs(tmp):
   }
 
 
-def _Start(tool, *args):
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+def _Start(tool, *args, tf_log_level='2'):
+  """The tool running; tf_log_level None leaves TF_CPP_MIN_LOG_LEVEL to the tool."""
+  env = {k: v for k, v in os.environ.items() if k != 'TF_CPP_MIN_LOG_LEVEL'}
+  if tf_log_level is not None:
+    env['TF_CPP_MIN_LOG_LEVEL'] = tf_log_level
   return subprocess.Popen([sys.executable, os.path.join(_TOOLS, f'{tool}.py'), *args], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -284,8 +287,10 @@ def testPlanBalance(runs):
     assert marked == bool(unmeasured.intersection(cells[3].split(', '))), (row, unmeasured)
   # The simulator predicts the plan's step as the planner did: B and W as measured (the
   # recompute with B), not half the backward each.
-  out, _ = _Finish(_Start('simulate_schedule', f'--plan={runs["plan_balance"][1]}/plan.json',
-                          '--schedules=zb_h1', '--micro_batches=2'))
+  out, err = _Finish(_Start('simulate_schedule', f'--plan={runs["plan_balance"][1]}/plan.json',
+                            '--schedules=zb_h1', '--micro_batches=2', tf_log_level=None))
+  lines = err.splitlines()  # Its progress only: no TensorFlow start-up lines.
+  assert len(lines) == 1 and lines[0].startswith('[1/1] zb_h1 K=2 M=2: bubble'), err
   step_ms = json.loads(out[out.index('\n[') + 1:])[0]['step_ms']
   assert step_ms == pytest.approx(plan_json['predicted']['step_time_s'] * 1e3)
 

@@ -60,6 +60,7 @@ def _Cases():
   half the backward each), MiB kept per micro-batch)."""
   ms = [int(m) for m in FLAGS.micro_batches]
   if FLAGS.plan:
+    binaries.QuietTensorFlow()  # The planner imports TensorFlow, whose start-up logs.
     from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
     try:
       plan = planner.LoadPlan(FLAGS.plan)
@@ -112,6 +113,7 @@ def main(argv):
     bench_utils.Progress(i, len(cases), f'{name} K={k} M={m}: bubble '
                          f'{prediction.bubble_fraction:.4f} in {seconds:.2f} s')
     if FLAGS.trace_out and i == 1:
+      binaries.QuietTensorFlow()  # As the planner, pipeline_stats imports TensorFlow.
       from lingvo_gpipe.core import pipeline_stats  # pylint: disable=g-import-not-at-top
       pipeline_stats.WriteChromeTrace(FLAGS.trace_out,
                                       pipeline_stats.Timeline.FromPrediction(prediction))
