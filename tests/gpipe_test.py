@@ -1186,7 +1186,10 @@ def testBfloat16CrossesStagesWhileGradientsStayFloat32():
     (lambda: _Pipe(2, 2, sched='zb'), "Unknown schedule 'zb'"),
     (lambda: gpipe.PipeliningLayer.Params().Set(name='p').Instantiate(), 'cell_tpl is empty'),
     (lambda: _Pipe(8, 2), r'needs 8 devices \(8 stages\) but only 4'),
-    (lambda: _Pipe(2, 2, sched='1f1b')(_Input()), 'use ForwardBackward'),
+    # Without a tape too: a training context is what picks fill-drain's differentiable run.
+    (lambda: _Pipe(2, 2, sched='1f1b')(_Input()),
+     r"FProp in training .* schedule='1f1b' trains through ForwardBackward, and runs FProp's "
+     r'forwards in py_utils.EvalMode\(\)'),
     (lambda: _Pipe(2, 2, micro_batch_size=4), 'not both'),
 ])
 def testBadInputsAreClearErrors(make, match):

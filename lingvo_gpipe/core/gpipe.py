@@ -516,8 +516,10 @@ class PipeliningLayer(base_layer.BaseLayer):
     schedule's actions before its whole-batch loss L(*), then, in the gradient, after it."""
     sched = self._Schedule(num)
     if not sched.whole_batch_loss:
-      raise ValueError(f"FProp under a gradient tape runs fill-drain ('gpipe'); with "
-                       f"schedule={schedule_lib.Name(self.params.schedule)!r} use ForwardBackward.")
+      raise ValueError(f"FProp in training (the context's training=True, the default) runs "
+                       f"fill-drain ('gpipe'); schedule="
+                       f"{schedule_lib.Name(self.params.schedule)!r} trains through "
+                       "ForwardBackward, and runs FProp's forwards in py_utils.EvalMode().")
     actions = [s.action for s in sched.steps]
     loss_at = next(i for i, a in enumerate(actions) if a.kind == schedule_lib.LOSS)
     step = self._Step()
