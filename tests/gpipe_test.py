@@ -1015,6 +1015,19 @@ def testLabelsAreSplitAsTheInputsAndOutputsAreReturned(sched):
   _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
 
 
+@pytest.mark.parametrize('sched', ['gpipe', '1f1b'])
+def testLabelsOfOtherRowsAreRefusedByEverySchedule(sched):
+  """Labels of one row broadcast against a whole batch's outputs but cannot be split into
+  micro-batches: refused by every schedule, so the loss does not depend on it."""
+  pipe = _UnevenPipe(sched, 'always')
+  x = _Input()[:10]
+  for labels, match in [((x[:1], tf.ones([10])), r'A labels tensor of shape \(1, 8\) has 1 rows '
+                         'at batch_dim=0; the inputs have 10'),
+                        ((x, tf.ones([])), r'shape \(\) has no batch dimension 0')]:
+    with pytest.raises(ValueError, match=match):
+      pipe.ForwardBackward(pipe.theta, x, _LabelLoss, labels=labels)
+
+
 @pytest.mark.parametrize('sched', ['gpipe', '1f1b', 'zb_h1'])
 def testAMicroBatchOfWeightZeroAddsNothingEvenWhenItsValueIsNaN(sched):
   """A (value, weight) loss of weighted rows, 0 / 0 on a micro-batch whose rows all weigh 0

@@ -389,6 +389,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     """
     args, before_tape = self._BeforeWithTape(theta, executor.AsArgs(inputs))
     rows, num = self._MicroBatching(args)
+    microbatch.CheckLabels(labels, rows, self.params.batch_dim)
     sched = self._Schedule(num)
     # Only `before` layers take the gradients of the cells' arguments.
     run = executor.Replicas(self, self._ChunkThetas(theta), args, num, self.params.remat,

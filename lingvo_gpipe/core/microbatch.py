@@ -33,6 +33,23 @@ def StaticBatchSize(structure, batch_dim):
   return known[0] if known else None
 
 
+def CheckLabels(labels, rows, batch_dim):
+  """A ValueError unless every tensor of `labels` (None, or a structure) has the batch's
+  `rows` (an int; a tensor, unknown at trace time, is not checked): labels are split into
+  micro-batches as the inputs are, so a loss must not depend on the split by broadcasting."""
+  for x in _Tensors(labels):
+    if x.shape.rank is not None and x.shape.rank <= batch_dim:
+      got = f'no batch dimension {batch_dim}'
+    else:
+      size = x.shape[batch_dim] if x.shape.rank is not None else None
+      if size is None or not isinstance(rows, int) or size == rows:
+        continue
+      got = f'{size} rows at batch_dim={batch_dim}'
+    raise ValueError(f'A labels tensor of shape {x.shape} has {got}; the inputs have {rows} '
+                     "rows. Labels are batched like the inputs (each micro-batch's loss gets "
+                     'its rows): one row per example.')
+
+
 def BatchSize(structure, batch_dim):
   """The batch size of `structure`: an int if known at trace time, else a scalar int32 tensor."""
   static = StaticBatchSize(structure, batch_dim)
