@@ -24,9 +24,10 @@ four cells. Reported per schedule and M: seconds per step (the best call: the ma
 other load only slows a run down; the median is in the JSON), examples per
 second, its baseline, the speed-up over it, GPipe's ideal 2M/(M+1) for two
 stages, and the speed-up's ratio to it; then the bubble of --bubble_steps
-separately run forward-backward steps with the pipeline's statistics on (the
-median), next to its simulation with the measured stage and hand-over costs
-and the schedule's unit-cost bubble (F, B and W one unit each; fill-drain's is
+forward-backward steps with the pipeline's statistics on (the median), each
+run right behind an unmeasured step as the timed steps are
+(bench_utils.MeasuredStep), next to its simulation with the measured stage and
+hand-over costs and the schedule's unit-cost bubble (F, B and W one unit each; fill-drain's is
 1/(M+1)), and the costs the simulation took: each chunk's median F, B, W or BW
 milliseconds and each boundary's median hand-over. Prints a markdown table,
 then the JSON.

@@ -5,7 +5,8 @@ every op is single-threaded (--intra_op_threads=1) and --inter_op_threads is
 the number of cores, so a stage behaves like one device of one core: with K no
 larger than the cores, stages do not share a core. Beside each point's
 throughput (examples per second; x plain divides by the unpipelined model's)
-it prints the bubble of one step three ways (pipeline_stats):
+it prints the bubble of a step (run behind an unmeasured one, as in a
+training loop: bench_utils.MeasuredStep) three ways (pipeline_stats):
 
   measured   idle share of K devices x the step window, from the steps' timestamps;
   simulated  the schedule simulated with this run's median forward and backward
