@@ -266,6 +266,26 @@ def testPrintModelCountsTheMicroBatchesThePipelineRuns(tmp_path):
   assert one['name'] == 'dec0' and two['gflops'] == pytest.approx(one['gflops'] / 2)
 
 
+@pytest.mark.parametrize('sched,devices', [('zbv', [0, 1, 1, 0]),
+                                            ('interleaved_1f1b', [0, 1, 0, 1])])
+def testPrintModelPlacesTwoCellsPerDevice(tmp_path, sched, devices):
+  """With v=2 the 4 cells run on K=2 devices as the schedule places them, the bubble is that
+  schedule's (equal cells: its unit-cost bubble, within what the cells' uneven FLOPs move it),
+  and memory is not estimated (the planner's model holds one cell per device)."""
+  json_out = tmp_path / 'model.json'
+  out, _ = _Finish(_Start(
+      'print_model', '--model=lm.synthetic.GPipeTransformerLmTiny', '--noshow_params',
+      f"--model_params_override=task.stack.schedule : '{sched}'; task.stack.virtual_stages : 2; "
+      'task.stack.splits : 4; task.stack.num_decoder_layers : 4; task.stack.remat : "never"',
+      f'--json_out={json_out}'), timeout=120)
+  (summary,) = json.loads(json_out.read_text())
+  assert [s['device'] for s in summary['stages']] == devices
+  assert all(s['memory_mb'] is None for s in summary['stages'])
+  assert f'4 cells on K=2 (v=2), M=2, {sched}' in out and 'No memory estimate' in out
+  bubble = float(re.search(r'Bubble with FLOP-proportional stage costs: ([0-9.]+)', out)[1])
+  assert bubble == pytest.approx(schedule.Schedule(sched, 2, 2, 2).BubbleFraction(), abs=0.03)
+
+
 def testPlanBalance(runs):
   plan_json, table, err = _Output(runs, 'plan_balance')
   plan = planner.LoadPlan(os.path.join(runs['plan_balance'][1], 'plan.json'))

@@ -106,25 +106,57 @@ def Inspect(tf, pipe, spec, batch_size, source):
         param_bytes=tf.as_dtype(pipe.dtype).size * int(count), input_bytes=_Bytes(tf, shapes),
         activation_bytes=_Bytes(tf, out)))
     shapes = out
+  # The planner plans one cell per device: with v cells per device it gives each cell's costs
+  # (as a fill-drain plan of the cells), and _Bubble places the cells as the schedule does.
   plan = planner.Plan(source=source, layers=profiles, ends=list(ends),
-                      num_micro_batches=num_micro, schedule=pipe.schedule, remat=pipe.remat,
-                      optimizer_slots=FLAGS.optimizer_slots, remat_policy=pipe.cell_remat_policy)
+                      num_micro_batches=num_micro,
+                      schedule=pipe.schedule if pipe.virtual_stages == 1 else 'gpipe',
+                      remat=pipe.remat, optimizer_slots=FLAGS.optimizer_slots,
+                      remat_policy=pipe.cell_remat_policy)
   return rows, plan
 
 
-def _StageRows(plan, layer_rows):
+def _Placement(pipe, plan):
+  """The device of each cell, as the pipeline's schedule places them."""
+  from lingvo_gpipe.core import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
+  v = pipe.virtual_stages
+  return list(schedule_lib.Orders(pipe.schedule, plan.num_stages // v, plan.num_micro_batches,
+                                  v)[1])
+
+
+def _Bubble(pipe, plan):
+  """The simulator's bubble of the pipeline's schedule with the plan's cell costs."""
+  from lingvo_gpipe.core import simulator  # pylint: disable=g-import-not-at-top
+  if pipe.virtual_stages == 1:
+    return plan.Predict().bubble_fraction
+  forward, backward = plan.StageCosts()
+  input_grad, weight_grad = plan.SplitBackwardCosts()
+  v = pipe.virtual_stages
+  orders = simulator.Orders(pipe.schedule, plan.num_stages // v, plan.num_micro_batches, v)
+  return simulator.Simulate(orders, forward, backward, input_grad_cost=input_grad,
+                            weight_grad_cost=weight_grad).bubble_fraction
+
+
+def _StageRows(pipe, plan, layer_rows):
+  """A row per cell; with v > 1 cells per device, its device and no memory estimate (the
+  planner's memory model holds one cell per device)."""
   stages = []
+  devices = _Placement(pipe, plan)
   for k, (stage, (j, i)) in enumerate(zip(plan.Stages(), zip([0] + plan.ends[:-1], plan.ends))):
     flops = [r['gflops'] for r in layer_rows[j:i]]
-    stages.append(dict(stage=k, layers=stage['layers'],
+    stages.append(dict(stage=k, device=int(devices[k]), layers=stage['layers'],
                        params=sum(r['params'] for r in layer_rows[j:i]),
                        gflops=None if None in flops else sum(flops),
-                       memory_mb=stage['memory_bytes'] / 2**20))
+                       memory_mb=stage['memory_bytes'] / 2**20
+                       if pipe.virtual_stages == 1 else None))
   return stages
 
 
-def _Print(name, plan, layer_rows, stage_rows):
-  print(f'\n## {name}: K={plan.num_stages}, M={plan.num_micro_batches}, {plan.schedule}, remat '
+def _Print(pipe, plan, layer_rows, stage_rows):
+  v = pipe.virtual_stages
+  cells = f'{plan.num_stages} cells on K={plan.num_stages // v} (v={v})' if v > 1 else (
+      f'K={plan.num_stages}')
+  print(f'\n## {pipe.name}: {cells}, M={plan.num_micro_batches}, {pipe.schedule}, remat '
         f'{plan.remat}, remat policy {plan.remat_policy}\n')
   print(bench_utils.MarkdownTable(layer_rows, [
       ('layer', lambda r: r['name']), ('class', lambda r: r['cls']),
@@ -133,12 +165,17 @@ def _Print(name, plan, layer_rows, stage_rows):
       ('output KB/micro-batch', lambda r: f"{r['output_bytes'] / 1024:.1f}")]))
   print()
   print(bench_utils.MarkdownTable(stage_rows, [
-      ('stage', lambda r: r['stage']), ('layers', lambda r: ', '.join(r['layers'])),
+      ('stage' if v == 1 else 'cell', lambda r: r['stage']),
+      *([('device', lambda r: r['device'])] if v > 1 else []),
+      ('layers', lambda r: ', '.join(r['layers'])),
       ('parameters', lambda r: f"{r['params']:,}"),
       ('forward GFLOPs/step', lambda r: '-' if r['gflops'] is None else f"{r['gflops']:.3f}"),
-      ('memory MB est. from output sizes', lambda r: f"{r['memory_mb']:.1f}")]))
+      ('memory MB est. from output sizes',
+       lambda r: '-' if r['memory_mb'] is None else f"{r['memory_mb']:.1f}")]))
+  if v > 1:
+    print(f'\nNo memory estimate: the planner models one cell per device, not {v}.')
   if all(r['gflops'] is not None for r in stage_rows):
-    print(f'\nBubble with FLOP-proportional stage costs: {plan.Predict().bubble_fraction:.3f}')
+    print(f'\nBubble with FLOP-proportional stage costs: {_Bubble(pipe, plan):.3f}')
 
 
 def main(argv):
@@ -161,10 +198,10 @@ def main(argv):
       continue
     try:
       layer_rows, plan = Inspect(tf, pipe, spec, batch_size, FLAGS.model)
-      stage_rows = _StageRows(plan, layer_rows)
+      stage_rows = _StageRows(pipe, plan, layer_rows)
     except ValueError as e:
       sys.exit(f'print_model: error: {pipe.name}: {e}')
-    _Print(pipe.name, plan, layer_rows, stage_rows)
+    _Print(pipe, plan, layer_rows, stage_rows)
     summary.append(dict(pipeline=pipe.name, num_micro_batches=plan.num_micro_batches,
                         layers=layer_rows, stages=stage_rows))
   if FLAGS.json:
