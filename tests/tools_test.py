@@ -14,6 +14,7 @@ import pytest
 
 from lingvo_gpipe.core import microbatch
 from lingvo_gpipe.core import planner
+from lingvo_gpipe.core import profiler
 from lingvo_gpipe.core import schedule
 from lingvo_gpipe.core import simulator
 
@@ -158,6 +159,7 @@ def testMemoryCurves(runs):
      'flag --micro_batches=: expected positive integers'),
     ('simulate_schedule', ['--schedules=bogus'], "error: Unknown schedule 'bogus'"),
     ('simulate_schedule', ['--schedules='], '--schedules is empty'),
+    ('simulate_schedule', ['--speedup=3'], '--speedup scales a --plan'),
     ('plan_balance', ['--model=mlp', '--layers=4', '--stages=9'],
      'plan_balance: error: Cannot split 4 layers into 9 non-empty stages'),
     ('plan_balance', ['--schedule=zbv'], "flag --schedule=zbv: value should be one of"),
@@ -326,6 +328,54 @@ def testPlanBalanceChoosesMScheduleAndRemat(tmp_path):
   chosen = [c.strip() for c in rows[0].strip('|').split('|')]
   assert [str(plan.num_micro_batches), plan.schedule, plan.remat] == chosen[:3]
   assert 16 % plan.num_micro_batches == 0 and plan.schedule in planner.PLANNABLE_SCHEDULES
+
+
+def _HandPlan(path, remat):
+  """A plan of 4 hand-made layers on 2 stages, M=4, 1f1b: 1, 2, 3, 4 ms forward, twice that
+  backward, 1 MiB of input and 3 MiB of activations per layer and micro-batch."""
+  layers = [profiler.LayerProfile(
+      name=f'l{i}', forward_s=(i + 1) * 1e-3, backward_s=2 * (i + 1) * 1e-3, param_bytes=4096,
+      input_bytes=2**20, activation_bytes=3 * 2**20) for i in range(4)]
+  planner.Plan(source='hand', layers=layers, ends=[2, 4], num_micro_batches=4, schedule='1f1b',
+               remat=remat, optimizer_slots=0).Save(str(path))
+
+
+@pytest.mark.parametrize('remat', ['never', 'always'])
+def testSimulateSchedulePredictsAPlanAtItsBatchAndRemat(tmp_path, remat):
+  """By default the plan's own M and schedule; at another M the plan's batch in M
+  micro-batches (times and activations scaled by the plan's M / M); a micro-batch holds its
+  stage's activations without remat, its input with it."""
+  _HandPlan(tmp_path / 'plan.json', remat)
+  rows = {}
+  for name, args in (('own', []), ('m8', ['--micro_batches=8', '--schedules=1f1b,zb_h1'])):
+    out, _ = _Finish(_Start('simulate_schedule', f'--plan={tmp_path}/plan.json', *args,
+                            f'--json_out={tmp_path}/{name}.json'), timeout=120)
+    rows[name] = json.loads((tmp_path / f'{name}.json').read_text())
+  (own,) = rows['own']
+  assert (own['schedule'], own['stages'], own['micro_batches']) == ('1f1b', 2, 4)
+  held_mb = 2 * 3.0 if remat == 'never' else 1.0  # Two layers' activations, or the input.
+  recompute = remat != 'never'
+  for row, m in [(own, 4)] + [(r, 8) for r in rows['m8']]:
+    scale = 4 / m
+    forward = [3 * scale, 7 * scale]  # ms: layers 1 + 2 and 3 + 4.
+    backward = [(2 + recompute) * f for f in forward]
+    expected = simulator.Simulate(
+        simulator.Orders(row['schedule'], 2, m), forward, backward,
+        activation_bytes=held_mb * scale, input_grad_cost=[(1 + recompute) * f for f in forward],
+        weight_grad_cost=forward)
+    assert row['step_ms'] == pytest.approx(expected.step_time)
+    assert row['peak_activation_mb'] == pytest.approx(expected.peak_activation_bytes.max())
+  assert [r['schedule'] for r in rows['m8']] == ['1f1b', 'zb_h1']
+
+
+@pytest.mark.parametrize('args,message', [
+    (['--stages=8', '--forward_ms=3'], '--stages, --forward_ms with --plan'),
+    (['--activation_mb=2'], '--activation_mb with --plan')])
+def testSimulateScheduleRefusesFlagsAPlanReplaces(tmp_path, args, message):
+  _HandPlan(tmp_path / 'plan.json', 'never')
+  proc = _Start('simulate_schedule', f'--plan={tmp_path}/plan.json', *args)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode != 0 and message in err and 'Traceback' not in err, err
 
 
 def testSimulateSchedule(runs):

@@ -3,6 +3,9 @@ r"""Predicts pipelined steps beyond this machine with the schedule simulator.
 Stage costs are uniform (--forward_ms, --backward_ms) or a balance plan's
 measured stage costs (--plan, tools/plan_balance.py), optionally scaled to
 other hardware (--speedup); --transfer_ms adds a hand-over per stage boundary.
+A plan's batch stays the plan's: at another M each micro-batch's times and
+activations scale by the plan's M / M (as the planner scales them), and
+without --micro_batches / --schedules the plan's own M and schedule run.
 For each schedule and (K, M) it prints the predicted step time, bubble (and
 the unit-cost theory), micro-batches in flight and peak activation memory per
 device, and the seconds the orders and the simulation took (numpy; fill-drain at
@@ -29,25 +32,27 @@ from lingvo_gpipe.core import simulator
 
 FLAGS = flags.FLAGS
 bench_utils.DefineCounts('stages', ['4', '64', '1024'], 'K values (ignored with --plan).')
-bench_utils.DefineCounts('micro_batches', ['16', '512', '8192'], 'M values.')
+bench_utils.DefineCounts('micro_batches', ['16', '512', '8192'],
+                         "M values (with --plan, default: the plan's M).")
 flags.DEFINE_list('schedules', ['gpipe', '1f1b'],
-                  f'Schedules, of {list(schedule_lib.SCHEDULE_NAMES)}.')
+                  f'Schedules, of {list(schedule_lib.SCHEDULE_NAMES)} (with --plan, default: '
+                  "the plan's).")
 flags.register_validator('schedules', bool, '--schedules is empty: give at least one schedule.')
-flags.DEFINE_float('forward_ms', 1.0, 'Forward time of a micro-batch per stage.',
-                   lower_bound=0.0)
-flags.DEFINE_float('backward_ms', 2.0, 'Backward time (with any recompute) per stage.',
-                   lower_bound=0.0)
+flags.DEFINE_float('forward_ms', 1.0, 'Forward time of a micro-batch per stage (not with '
+                   '--plan).', lower_bound=0.0)
+flags.DEFINE_float('backward_ms', 2.0, 'Backward time (with any recompute) per stage (not '
+                   'with --plan).', lower_bound=0.0)
 flags.register_multi_flags_validator(
     ['forward_ms', 'backward_ms'], lambda f: f['forward_ms'] + f['backward_ms'] > 0,
     '--forward_ms and --backward_ms are both 0: a step of no work has no bubble to simulate.')
 flags.DEFINE_string('plan', None, 'A balance plan whose stage costs replace the uniform ones.')
-flags.DEFINE_float('speedup', 1.0, 'Divide the plan\'s times by this (other hardware).')
+flags.DEFINE_float('speedup', 1.0, 'Divide the --plan\'s times by this (other hardware).')
 flags.register_validator('speedup', lambda x: x > 0, '--speedup must be positive.')
 flags.DEFINE_float('transfer_ms', 0.0, 'Hand-over time per stage boundary.', lower_bound=0.0)
 flags.DEFINE_float('activation_mb', 1.0,
                    'MiB a stage keeps per micro-batch in flight, split between its chunks '
-                   'when it has several (ignored with --plan: its stage inputs).',
-                   lower_bound=0.0)
+                   "when it has several (not with --plan: what the plan's remat keeps, the "
+                   'stage input or all its activations).', lower_bound=0.0)
 bench_utils.DefineOutputPath('trace_out', None, 'Chrome trace of the first prediction.')
 flags.DEFINE_integer('trace_max_actions', 200_000,
                      'Refuse a --trace_out of more actions (about 200 bytes each).')
@@ -55,23 +60,52 @@ bench_utils.DefineJsonOut()
 flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.
 
 
-def _Cases():
-  """(K, M, ms per stage of forward, backward, input gradient and weight gradient (None:
-  half the backward each), MiB kept per micro-batch)."""
-  ms = [int(m) for m in FLAGS.micro_batches]
+_NOT_WITH_PLAN = ('stages', 'forward_ms', 'backward_ms', 'activation_mb')
+
+
+def _CheckFlags():
+  """Refuses flags that --plan, given or not, would leave unused."""
   if FLAGS.plan:
-    binaries.QuietTensorFlow()  # The planner imports TensorFlow, whose start-up logs.
-    from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
-    try:
-      plan = planner.LoadPlan(FLAGS.plan)
-    except ValueError as e:
-      sys.exit(f'simulate_schedule: error: {e}')
-    costs = [[t * 1e3 / FLAGS.speedup for t in stages]
-             for stages in plan.StageCosts() + plan.SplitBackwardCosts()]
-    kept = [plan.layers[j].input_bytes / 2**20 for j in [0] + plan.ends[:-1]]
-    return [(plan.num_stages, m, *costs, kept) for m in ms]
-  return [(k, m, FLAGS.forward_ms, FLAGS.backward_ms, None, None, FLAGS.activation_mb)
-          for k in map(int, FLAGS.stages) for m in ms]
+    unused = [f'--{name}' for name in _NOT_WITH_PLAN if FLAGS[name].present]
+    why = 'with --plan: the plan gives the stages, their costs and memory.'
+  else:
+    unused = ['--speedup'] if FLAGS['speedup'].present else []
+    why = "scales a --plan's times; without one give --forward_ms and --backward_ms."
+  if unused:
+    sys.exit(f'simulate_schedule: error: {", ".join(unused)} {why}')
+
+
+def _Plan():
+  if not FLAGS.plan:
+    return None
+  binaries.QuietTensorFlow()  # The planner imports TensorFlow, whose start-up logs.
+  from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
+  try:
+    return planner.LoadPlan(FLAGS.plan)
+  except ValueError as e:
+    sys.exit(f'simulate_schedule: error: {e}')
+
+
+def _Cases(plan):
+  """(schedule, K, M, ms per stage of forward, backward, input gradient and weight gradient
+  (None: half the backward each), MiB kept per micro-batch)."""
+  if plan is None:
+    return [(name, k, int(m), FLAGS.forward_ms, FLAGS.backward_ms, None, None,
+             FLAGS.activation_mb)
+            for name in FLAGS.schedules for k in map(int, FLAGS.stages)
+            for m in FLAGS.micro_batches]
+  ms = ([int(m) for m in FLAGS.micro_batches] if FLAGS['micro_batches'].present
+        else [plan.num_micro_batches])
+  names = FLAGS.schedules if FLAGS['schedules'].present else [plan.schedule]
+  costs = plan.StageCosts() + plan.SplitBackwardCosts()
+  cases = []
+  for name in names:
+    for m in ms:
+      scale = plan.num_micro_batches / m  # The plan's batch in M micro-batches.
+      per_micro = [[t * 1e3 * scale / FLAGS.speedup for t in stages] for stages in costs]
+      kept = [b * scale / 2**20 for b in plan.HeldBytes()]
+      cases.append((name, plan.num_stages, m, *per_micro, kept))
+  return cases
 
 
 def _Chunks(cost, v):
@@ -81,7 +115,8 @@ def _Chunks(cost, v):
 
 def main(argv):
   del argv
-  cases = [(name,) + case for name in FLAGS.schedules for case in _Cases()]
+  _CheckFlags()
+  cases = _Cases(_Plan())
   if FLAGS.trace_out:
     _, k, m = cases[0][:3]
     actions = 3 * k * m * bench_utils.VIRTUAL_STAGES.get(cases[0][0], 1)

@@ -159,6 +159,11 @@ class _StageModel:
       held = (in_flight - 1) * inputs + 2 * kept
     return held + pending * kept
 
+  def HeldPerMicroBatch(self, j, i):
+    """Bytes a micro-batch holds between its forward and its backward: the stage's input
+    when it re-materializes, else what its forward keeps."""
+    return float(self._inputs[j] if self._remat != 'never' else self._Kept(j, i)[0])
+
   def Memory(self, j, i):
     kept, running = self._Kept(j, i)
     inputs = self._inputs[np.asarray(j)]
@@ -305,6 +310,12 @@ class Plan:
     model = self._Model()
     return ([float(model.InputGrad(j, i)) for j, i in self._Bounds()],
             [float(model.WeightGrad(j, i)) for j, i in self._Bounds()])
+
+  def HeldBytes(self):
+    """Bytes per stage that a micro-batch holds between its forward and its backward (the
+    simulator's activation_bytes)."""
+    model = self._Model()
+    return [model.HeldPerMicroBatch(j, i) for j, i in self._Bounds()]
 
   def Predict(self):
     """simulator.Prediction of one step with the planned stages."""
