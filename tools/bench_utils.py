@@ -58,6 +58,23 @@ def DefineCounts(name, default, help_text):
                serializer=flags.CsvListSerializer(','))
 
 
+def CheckChoices(name, choices):
+  """Refuses, when the flags are parsed, a list flag `name` that is empty or holds a value not
+  in `choices` (before a tool spends minutes on the values before it)."""
+
+  def Check(values):
+    if values is None:
+      return True
+    if not values:
+      raise flags.ValidationError('is empty: give at least one value.')
+    unknown = [v for v in values if v not in choices]
+    if unknown:
+      raise flags.ValidationError(f'unknown {unknown}; expected some of {list(choices)}.')
+    return True
+
+  flags.register_validator(name, Check)
+
+
 def DefineJsonOut():
   DefineOutputPath('json_out', None, 'Also write the results JSON to this file.')
 

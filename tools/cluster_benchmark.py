@@ -41,6 +41,7 @@ import time
 from absl import flags
 import bench_utils
 from lingvo_gpipe import binaries
+from lingvo_gpipe.core import schedule as schedule_lib
 import local_cluster
 
 FLAGS = flags.FLAGS
@@ -58,10 +59,11 @@ flags.DEFINE_boolean('pin_workers', True,
                      'Pin worker i to core i (taskset). With --nopin_workers the workers keep '
                      'one intra-op thread each but the OS may run any of their threads on any '
                      'core.')
-flags.DEFINE_integer('steps_per_call', 4, 'Training steps per client call.')
-flags.DEFINE_integer('calls', 3, 'Timed calls per configuration.')
+flags.DEFINE_integer('steps_per_call', 4, 'Training steps per client call.', lower_bound=1)
+flags.DEFINE_integer('calls', 3, 'Timed calls per configuration.', lower_bound=1)
 flags.DEFINE_integer('bubble_steps', 3,
-                     'Measured steps per M (the median bubble is kept); 0: none.')
+                     'Measured steps per M (the median bubble is kept); 0: none.', lower_bound=0)
+bench_utils.CheckChoices('schedules', schedule_lib.SCHEDULE_NAMES)
 bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: one measuring process (JSON config).')
 flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.

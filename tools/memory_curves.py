@@ -73,7 +73,8 @@ bench_utils.DefineCounts('remat_every', [], "N values of a sweep of cell_remat_p
 bench_utils.DefineCounts('remat_stages', ['1', '2'], 'K values of the every_N sweep.')
 flags.DEFINE_integer('steps', 2, 'Steps measured per point (the largest peak and the median '
                      'time are kept); with --schedules, those of the largest M, and a smaller '
-                     'M runs as many micro-batches.')
+                     'M runs as many micro-batches.', lower_bound=1)
+bench_utils.CheckChoices('schedules', schedule_lib.SCHEDULE_NAMES)
 flags.DEFINE_integer('inter_op_threads', 1, 'Ops run at once; 1 makes the fit\'s premise hold.')
 flags.DEFINE_bool('per_device', False, 'With --schedules: run each point on K worker '
                   'processes (tools/local_cluster.py), each one device with its own allocator, '

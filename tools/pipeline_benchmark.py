@@ -21,6 +21,7 @@ import statistics
 from absl import flags
 import bench_utils
 from lingvo_gpipe import binaries
+from lingvo_gpipe.core import schedule as schedule_lib
 
 PRESETS = {
     'anchors': dict(model='mlp', layers=16, width=256, hidden=1024, rows=8192),
@@ -45,8 +46,11 @@ flags.DEFINE_list('schedules', ['gpipe', '1f1b'],
                   'zb_h1, zb_h2, zbv).')
 flags.DEFINE_enum('path', 'fprop', ['fprop', 'forward_backward'],
                   'FProp under tf.GradientTape (a model\'s train step) or ForwardBackward. '
-                  "'1f1b' always runs ForwardBackward.")
-flags.DEFINE_integer('steps', 5, 'Timed steps per configuration (median reported).')
+                  "Every schedule but 'gpipe' runs ForwardBackward.")
+flags.DEFINE_integer('steps', 5, 'Timed steps per configuration (median reported).',
+                     lower_bound=1)
+bench_utils.CheckChoices('schedules', schedule_lib.SCHEDULE_NAMES)
+bench_utils.CheckChoices('remat', ('always', 'except_last', 'never'))
 bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
 flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.

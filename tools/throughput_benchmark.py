@@ -42,8 +42,9 @@ bench_utils.DefineCounts('stages', ['2', '4'], 'K values.')
 bench_utils.DefineCounts('micro_batches', ['1', '8'], 'M values.')
 flags.DEFINE_enum('schedule', 'gpipe', list(schedule_lib.SCHEDULE_NAMES), 'Pipeline schedule.')
 flags.DEFINE_enum('remat', 'always', ['always', 'except_last', 'never'], 'Re-materialization.')
-flags.DEFINE_integer('steps', 3, 'Timed steps per point (median).')
-flags.DEFINE_integer('bubble_steps', 3, 'Measured steps per point (the median bubble is kept).')
+flags.DEFINE_integer('steps', 3, 'Timed steps per point (median).', lower_bound=1)
+flags.DEFINE_integer('bubble_steps', 3, 'Measured steps per point (the median bubble is kept).',
+                     lower_bound=0)
 flags.DEFINE_integer('intra_op_threads', 1, 'Threads of one op (0: TensorFlow default).')
 flags.DEFINE_integer('inter_op_threads', os.cpu_count() or 2,
                      'Ops run at once (0: TensorFlow default).')
