@@ -75,6 +75,26 @@ def CheckChoices(name, choices):
   flags.register_validator(name, Check)
 
 
+BUILT_IN_SIZES = ('layers', 'width', 'hidden', 'rows', 'seq_len')
+
+
+def RefuseBuiltInSizes(names=BUILT_IN_SIZES):
+  """Refuses, when the flags are parsed, flags sizing a built-in stack (`names`) given beside
+  a registered --model, whose params set its sizes: they would be silently ignored."""
+
+  def Check(values):
+    if values['model'] in (None, 'mlp', 'transformer'):
+      return True
+    given = [f'--{name}' for name in names if flags.FLAGS[name].present]
+    if given:
+      raise flags.ValidationError(
+          f"{', '.join(given)} size a built-in stack ('mlp' or 'transformer'), not the "
+          "registered model: set its params with --model_params_override.")
+    return True
+
+  flags.register_multi_flags_validator(['model', *names], Check)
+
+
 def DefineJsonOut():
   DefineOutputPath('json_out', None, 'Also write the results JSON to this file.')
 

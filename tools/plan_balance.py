@@ -81,6 +81,7 @@ flags.DEFINE_integer('rows', 64, 'Built-in stacks: batch rows (sequences for the
 flags.DEFINE_integer('seq_len', 64, 'Built-in Transformer: sequence length.', lower_bound=1)
 bench_utils.DefineOutputPath('out', os.path.join(tempfile.gettempdir(), 'balance_plan.json'),
                             'Where the plan goes.')
+bench_utils.RefuseBuiltInSizes()
 flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.
 
 

@@ -40,6 +40,8 @@ flags.DEFINE_integer('seq_len', 64, 'Built-in Transformer: sequence length.')
 flags.DEFINE_string('remat_policy', 'none', 'Built-in stacks: cell_remat_policy (core/remat.py).')
 flags.DEFINE_boolean('json', False, 'Also print the layers and stages as JSON, after the tables.')
 bench_utils.DefineOutputPath('json_out', None, 'Also write that JSON to this file.')
+bench_utils.RefuseBuiltInSizes(
+    ('stages', 'micro_batches', 'remat_policy') + bench_utils.BUILT_IN_SIZES)
 flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.
 
 

@@ -51,6 +51,7 @@ flags.DEFINE_integer('inter_op_threads', os.cpu_count() or 2,
 flags.DEFINE_string('trace_dir', None, 'Write each point\'s Chrome trace JSON here.')
 bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
+bench_utils.RefuseBuiltInSizes()
 flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.
 
 
