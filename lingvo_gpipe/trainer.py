@@ -568,6 +568,11 @@ def _ListModels():
 
 
 def _Run():
+  if FLAGS.pipeline_stats_every and (FLAGS.mode != 'sync' or
+                                     FLAGS.job not in ('controller,trainer', 'trainer_client')):
+    raise base_runner.UserError(
+        f'--pipeline_stats_every times training steps, and --mode={FLAGS.mode} '
+        f'--job={FLAGS.job} trains none: drop it.')
   if FLAGS.mode == 'list_models':
     _ListModels()
     return

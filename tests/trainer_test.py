@@ -353,6 +353,11 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
        'log_interval_steps must be at least 1, got 0.'),
       ([model, logdir, '--pipeline_stats_every=-1'],
        '--pipeline_stats_every must be >= 0, got -1.'),
+      ([model, logdir, '--pipeline_stats_every=1', '--job=evaler_dev'],
+       '--pipeline_stats_every times training steps, and --mode=sync --job=evaler_dev trains '
+       'none: drop it.'),
+      ([model, '--pipeline_stats_every=1', '--mode=check_pipeline'],
+       '--mode=check_pipeline --job=controller,trainer trains none'),
   ] + ([] if tf.config.list_physical_devices('GPU') else [
       ([model, logdir, '--run_locally=gpu'],
        '--run_locally=gpu, but TensorFlow finds no GPU on this machine; use --run_locally=cpu.'),
