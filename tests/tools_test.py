@@ -170,6 +170,9 @@ def testMemoryCurves(runs):
      "--stages size a built-in stack ('mlp' or 'transformer'), not the registered model"),
     ('throughput_benchmark', ['--steps=0'], 'flag --steps=0: 0 is not a positive integer'),
     ('memory_curves', ['--steps=0'], 'flag --steps=0: 0 is not a positive integer'),
+    ('plan_balance', ['--model=lm.synthetic.GPipeTransformerLmTiny', '--stages=4', '--repeats=1'],
+     'Cannot split 4 layers (softmax sharing a stage with the layer before) into 4 stages: '
+     'expected at most 3 stages.'),
     ('plan_balance', ['--model=mlp', '--layers=4', '--stages=9'],
      'plan_balance: error: Cannot split 4 layers into 9 non-empty stages'),
     ('plan_balance', ['--schedule=zbv'], "flag --schedule=zbv: value should be one of"),

@@ -155,7 +155,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     self.NumStagesOf(p)  # Checks virtual_stages.
     if p.micro_batch_size is not None and p.num_micro_batches != 1:
       raise ValueError(f'Set num_micro_batches ({p.num_micro_batches}) or micro_batch_size '
-                       f'({p.micro_batch_size}), not both.')
+                       f'({p.micro_batch_size}), not both: leave num_micro_batches at 1.')
     # A bad schedule, chunks per device or M fails here, not at the first batch; the
     # schedule places the chunks on the devices. Built and checked once per M (zbv at
     # K=8, M=64 takes half a second), here and then as batches need them.

@@ -241,8 +241,10 @@ def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='a
   """
   units, unit_ends = _Merge(profiles, set(glued))
   if len(units) < num_stages:
-    raise ValueError(f'Cannot split {len(units)} layers (after keeping {sorted(glued)} with '
-                     f'the layer before) into {num_stages} stages.')
+    kept = ('' if not glued else f' ({", ".join(profiles[i].name for i in sorted(glued))} '
+            'sharing a stage with the layer before)')
+    raise ValueError(f'Cannot split {len(profiles)} layers{kept} into {num_stages} stages: '
+                     f'expected at most {len(units)} stages.')
   model = _StageModel(units, _Held(schedule, num_stages, num_micro_batches), remat,
                       optimizer_slots, remat_policy, action_overhead_s)
   cap = np.inf if memory_cap_bytes is None else float(memory_cap_bytes)
