@@ -535,8 +535,14 @@ def _SetUpLocalDevices(model_params, cluster):
     most = pipeline_params.MaxDevices(model_params.task)  # With a pipeline's num_replicas.
   except ValueError as e:  # A bad config, e.g. from an override.
     raise base_runner.UserError(f'Cannot build the task: {e}') from None
-  ConfigureLocalDevices(FLAGS.run_locally, FLAGS.num_cpu_devices or max(
-      cluster.worker_replicas * split_size, most))
+  needed = max(cluster.worker_replicas * split_size, most)
+  given = FLAGS.num_cpu_devices
+  if given is not None and given < needed and not any(
+      p.allow_device_reuse or p.devices for _, p in pipeline_params.Find(model_params.task)):
+    raise base_runner.UserError(
+        f'--num_cpu_devices={given}, but the task\'s pipelines need {needed} devices: give at '
+        'least that many, or leave the flag out to make them.')
+  ConfigureLocalDevices(FLAGS.run_locally, given or needed)
   if cluster.worker_replicas > 1 or cluster.worker_split_size:
     PlacePipelines(model_params.task, cluster.worker_split_size, cluster.worker_replicas)
 

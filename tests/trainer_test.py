@@ -333,6 +333,8 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
        "--worker_replicas and --worker_split_size apply to PipeliningLayer params, and the "
        "task's params hold none"),
       ([model, '--num_cpu_devices=0'], '--num_cpu_devices must be >= 1, got 0.'),
+      (['--model=lm.synthetic.GPipeTransformerLmTiny', logdir, '--num_cpu_devices=1'],
+       "--num_cpu_devices=1, but the task's pipelines need 2 devices"),
       ([model], '--logdir is required.'),
       ([model, logdir, '--max_steps=-5'], '--max_steps must be >= 0, got -5.'),
       ([model, logdir, '--checkpoint_max_to_keep=0'],
