@@ -197,7 +197,8 @@ def main(argv):
   notes = [f'{FLAGS.model}: K={k}, M={m}, {schedule}, remat {remat}, remat policy '
            f'{plan.remat_policy} (of {FLAGS.remat_policy or [own_policy]}), cap '
            f"{'none' if cap is None else f'{FLAGS.memory_cap_mb:g} MiB'}; plan ends "
-           f'{plan.ends} (the model\'s: {list(own_ends)}); saved to {FLAGS.out}; load average '
+           f'{plan.ends} (the model\'s, K={len(own_ends)}: {list(own_ends)}); saved to '
+           f'{FLAGS.out}; load average '
            f'(1, 5, 15 min) before {load_before}, after {bench_utils.Load()}']
   if unmeasured:
     notes.append(f"* at least this: the backward of {', '.join(sorted(unmeasured))} was not "

@@ -403,7 +403,7 @@ class _GPipeStack(gpipe.PipeliningLayer):
     partition.CheckEnds(ends, n, f'{p.name}: splits (layers {[q.name for q in layer_params]})')
     if len(ends) > 1 and ends[-1] - ends[-2] == 1:
       raise ValueError(f'{p.name}: splits={ends} leaves the softmax alone on the last cell; '
-                       f'expected the last end before {n - 1}.')
+                       f'expected the cell before it to end by {n - 2} (splits[-2] <= {n - 2}).')
     return ends
 
   @classmethod
