@@ -141,7 +141,7 @@ def main(argv):
     seconds = time.perf_counter() - start
     results.append(dict(schedule=name, stages=k, micro_batches=m,
                         step_ms=prediction.step_time, bubble=prediction.bubble_fraction,
-                        theory=schedule_lib.TheoreticalBubble(k, m),
+                        fill_drain_theory=schedule_lib.TheoreticalBubble(k, m),
                         max_in_flight=int(prediction.max_in_flight.max()),
                         peak_activation_mb=float(prediction.peak_activation_bytes.max()),
                         simulate_s=seconds))
@@ -156,7 +156,7 @@ def main(argv):
       ('schedule', lambda r: r['schedule']), ('K', lambda r: r['stages']),
       ('M', lambda r: r['micro_batches']), ('step ms', lambda r: f"{r['step_ms']:.1f}"),
       ('bubble', lambda r: f"{r['bubble']:.4f}"),
-      ('fill-drain (K-1)/(M+K-1)', lambda r: f"{r['theory']:.4f}"),
+      ('fill-drain (K-1)/(M+K-1)', lambda r: f"{r['fill_drain_theory']:.4f}"),
       ('max in flight', lambda r: r['max_in_flight']),
       ('peak activation MB/device', lambda r: f"{r['peak_activation_mb']:.1f}"),
       ('orders + simulation s', lambda r: f"{r['simulate_s']:.2f}")])

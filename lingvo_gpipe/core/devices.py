@@ -96,9 +96,10 @@ def StageDevices(num_stages, devices=None, allow_reuse=False, num_replicas=1):
     layout = f'{num_replicas} replicas x {num_stages} stages' if num_replicas > 1 else (
         f'{num_stages} stages')
     raise ValueError(
-        f'The pipeline needs {needed} devices ({layout}) but only {len(devices)} devices were '
-        f'{source}: {devices}. Add devices (e.g. tf.config.set_logical_device_configuration '
-        'for CPU) or set allow_device_reuse=True to place stages round-robin.')
+        f'The pipeline needs {needed} devices ({layout}) but only {len(devices)} '
+        f'{"device was" if len(devices) == 1 else "devices were"} {source}: {devices}. Add '
+        'devices (e.g. tf.config.set_logical_device_configuration for CPU) or set '
+        'allow_device_reuse=True to place stages round-robin.')
   return [devices[k % len(devices)] for k in range(needed)]
 
 
