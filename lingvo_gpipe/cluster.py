@@ -289,6 +289,12 @@ class HealthMonitor:
         failures = pinger.Failures(self._timeout)
         if failures:
           raise self._Error(failures) from error
+      if isinstance(error, (tf.errors.AbortedError, tf.errors.UnavailableError)):
+        # Every worker answers again: one restarted, and its state of this client is gone.
+        raise WorkerUnavailableError(
+            f'Lost the cluster: a worker restarted or dropped the connection while the job ran '
+            f'({error.message.splitlines()[0][:200]}). Restart the client: training resumes '
+            'from the last checkpoint.') from error
       if error is not None:
         raise error
       return outcome['value']

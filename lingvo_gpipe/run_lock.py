@@ -22,6 +22,8 @@ from absl import logging
 from lingvo_gpipe import base_runner
 
 LOCK_FILE = 'trainer.lock'
+# The locks this process holds, for an exit that skips their __exit__ (ReleaseHeld).
+_HELD = set()
 
 
 def _Describe(holder):
@@ -76,6 +78,7 @@ class RunLock:
         'host': socket.gethostname(), 'pid': os.getpid(),
         'start': datetime.datetime.now().isoformat(timespec='seconds')}).encode())
     os.fsync(self._fd)
+    _HELD.add(self)
     return self
 
   def _TakeOver(self, holder):
@@ -95,8 +98,20 @@ class RunLock:
                     _Describe(holder))
 
   def __exit__(self, *unused_exc_info):
-    if not self._local:
+    if not self._local or self._fd is None:
       return
+    _HELD.discard(self)
     os.remove(self._path)
     os.close(self._fd)
     self._fd = None
+
+
+def ReleaseHeld():
+  """Releases the locks this process holds, before an os._exit (a client whose job thread
+  still waits on a lost worker): the file left behind would name a dead holder, which
+  another host refuses."""
+  for lock in list(_HELD):
+    try:
+      lock.__exit__(None, None, None)
+    except OSError:  # Its own thread released it meanwhile.
+      pass

@@ -643,6 +643,7 @@ def main(argv):
       # A TensorFlow call may still wait on the lost worker in the job's thread;
       # a normal exit would abort in it.
       sys.stderr.flush()
+      run_lock.ReleaseHeld()
       os._exit(1)  # pylint: disable=protected-access
     sys.exit(1)
 

@@ -195,6 +195,24 @@ def testUnplacedOpsFollowTheirInputs():
 # -- health ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
+def testAJobFailingOnARestartedWorkerIsALostClusterError(two_workers):
+  """A worker restarted while the client ran answers again, but the client's state on it is
+  gone: the job's TensorFlow error (seen in a checkpoint save) becomes a one-line error."""
+
+  def Job():
+    raise tf.errors.AbortedError(None, None, 'Unable to find a context_id matching the '
+                                 'specified one (4816). Perhaps the worker was restarted?\nmore')
+
+  with pytest.raises(cluster_lib.WorkerUnavailableError) as info:
+    cluster_lib.HealthMonitor(two_workers.addresses, timeout_secs=4.0).Run(Job)
+  assert str(info.value) == (
+      'Lost the cluster: a worker restarted or dropped the connection while the job ran (Unable '
+      'to find a context_id matching the specified one (4816). Perhaps the worker was '
+      'restarted?). Restart the client: training resumes from the last checkpoint.')
+  assert cluster_lib.HealthMonitor(two_workers.addresses, 4.0).Run(lambda: 7) == 7
+
+
 def testMonitorFailsAJobWhoseWorkersAreSilentOrGone():
   silent = socket.socket()  # Accepts connections (the kernel does) but never answers.
   silent.bind(('127.0.0.1', 0))
@@ -334,6 +352,8 @@ def testTrainerClientFailsFastOnALostWorkerAndResumes(two_workers, tmp_path):
     assert code == 1 and len(_ErrorLines(err)) == 1, err[-3000:]
     assert f'Lost the cluster: worker task {task} ({two_workers.addresses[task]}) {expected}' in (
         _ErrorLines(err)[0])
+    # The client exits at once (os._exit, a TensorFlow call may still wait): without its lock.
+    assert not os.path.exists(os.path.join(train_dir, 'trainer.lock'))
     two_workers.KillWorker(task)  # Also ends a stopped worker.
     two_workers.StartWorker(task)
     two_workers.WaitUntilReady()

@@ -40,6 +40,19 @@ def testTheHolderIsWrittenAndASecondLockRefusedInOneLine(tmp_path):
   assert not os.path.exists(_LockFile(tmp_path))
 
 
+def testReleaseHeldFreesTheLocksAnExitWouldLeave(tmp_path):
+  """What the trainer calls before os._exit, which skips the lock's __exit__."""
+  first, second = tmp_path / 'a', tmp_path / 'b'
+  first.mkdir()
+  second.mkdir()
+  with run_lock.RunLock(str(first)), run_lock.RunLock(str(second)):
+    run_lock.ReleaseHeld()
+    assert not os.path.exists(_LockFile(first)) and not os.path.exists(_LockFile(second))
+    with run_lock.RunLock(str(first)):  # Free again, at once and without a take-over.
+      assert json.load(open(_LockFile(first)))['pid'] == os.getpid()
+  run_lock.ReleaseHeld()  # Nothing held: nothing to do.
+
+
 def testALockHeldByAnotherProcessIsRefused(tmp_path):
   script = ('import sys, time; from lingvo_gpipe import run_lock\n'
             f'with run_lock.RunLock({str(tmp_path)!r}):\n'
