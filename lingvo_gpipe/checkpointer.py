@@ -90,6 +90,14 @@ class _NameTree(tf.Module):
     return dict(self._items)
 
 
+def _NotSaveRetracing(record):
+  """False for TensorFlow's warning that its saver's tf.function retraced: with variables
+  in several processes (a cluster) the saver makes a new function at every save, and warns of
+  it every fifth, a message of its own making that tells the user nothing."""
+  message = record.getMessage()
+  return not ('tf_function_save' in message and 'retracing' in message)
+
+
 class Checkpointer:
   """Saves and restores a model, its optimizer and the global step.
 
@@ -211,7 +219,12 @@ class Checkpointer:
     if step == self._saved_step:
       return self._latest
     path = files.CheckpointPath(self._directory, step)
-    self._checkpoint.write(path)
+    logger = tf.get_logger()
+    logger.addFilter(_NotSaveRetracing)
+    try:
+      self._checkpoint.write(path)
+    finally:
+      logger.removeFilter(_NotSaveRetracing)
     problem = files.Problem(path)
     if problem:
       raise base_runner.UserError(f'Checkpoint {path} does not read back after saving '

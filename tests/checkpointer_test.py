@@ -176,6 +176,29 @@ def testNewestOnlyReadsAndReportsDamageOnce(tmp_path, caplog):
   assert len(damaged) == 1 and 'ckpt-3' in damaged[0].getMessage()
 
 
+def testSaveDropsOnlyTheSaversOwnRetracingWarning(tmp_path, monkeypatch, caplog):
+  """On a cluster TensorFlow's saver makes a new tf.function per save and warns of it (every
+  fifth save); other warnings of the save still show, and none is dropped after it."""
+  checkpointer, model = _Checkpointer(tmp_path / 'train')
+  checkpoint = checkpointer._checkpoint  # pylint: disable=protected-access
+  real_write = checkpoint.write
+  retracing = ('5 out of the last 5 calls to <function MultiDeviceSaver.save.<locals>.'
+               'tf_function_save at 0x7f> triggered tf.function retracing. Tracing is expensive')
+
+  def Write(path):
+    tf.get_logger().warning(retracing)
+    tf.get_logger().warning('Another warning of the save.')
+    return real_write(path)
+
+  monkeypatch.setattr(checkpoint, 'write', Write)
+  with caplog.at_level('WARNING', logger='tensorflow'):
+    _TrainTo(checkpointer, model, [1])
+    tf.get_logger().warning(retracing)  # Outside a save: kept.
+  messages = [r.getMessage() for r in caplog.records if r.name == 'tensorflow']
+  assert messages == ['Another warning of the save.', retracing]
+  assert files.Steps(str(tmp_path / 'train')) == [1]
+
+
 def testNothingIsRotatedAwayBeforeTheNewCheckpointReadsBack(tmp_path, monkeypatch):
   directory = _Trained(tmp_path)
   state = open(os.path.join(directory, files.STATE_FILE)).read()
