@@ -345,19 +345,20 @@ def testPlanBalanceChoosesMScheduleAndRemat(tmp_path):
 
 def _HandPlan(path, remat):
   """A plan of 4 hand-made layers on 2 stages, M=4, 1f1b: 1, 2, 3, 4 ms forward, twice that
-  backward, 1 MiB of input and 3 MiB of activations per layer and micro-batch."""
+  backward, 1 MiB of input and 3 MiB of activations per layer and micro-batch, and 0.5 ms per
+  action besides."""
   layers = [profiler.LayerProfile(
       name=f'l{i}', forward_s=(i + 1) * 1e-3, backward_s=2 * (i + 1) * 1e-3, param_bytes=4096,
       input_bytes=2**20, activation_bytes=3 * 2**20) for i in range(4)]
   planner.Plan(source='hand', layers=layers, ends=[2, 4], num_micro_batches=4, schedule='1f1b',
-               remat=remat, optimizer_slots=0).Save(str(path))
+               remat=remat, optimizer_slots=0, action_overhead_s=0.5e-3).Save(str(path))
 
 
 @pytest.mark.parametrize('remat', ['never', 'always'])
 def testSimulateSchedulePredictsAPlanAtItsBatchAndRemat(tmp_path, remat):
   """By default the plan's own M and schedule; at another M the plan's batch in M
-  micro-batches (times and activations scaled by the plan's M / M); a micro-batch holds its
-  stage's activations without remat, its input with it."""
+  micro-batches (layer times and activations scaled by the plan's M / M, not the per-action
+  overhead); a micro-batch holds its stage's activations without remat, its input with it."""
   _HandPlan(tmp_path / 'plan.json', remat)
   rows = {}
   for name, args in (('own', []), ('m8', ['--micro_batches=8', '--schedules=1f1b,zb_h1'])):
@@ -371,11 +372,11 @@ def testSimulateSchedulePredictsAPlanAtItsBatchAndRemat(tmp_path, remat):
   for row, m in [(own, 4)] + [(r, 8) for r in rows['m8']]:
     scale = 4 / m
     forward = [3 * scale, 7 * scale]  # ms: layers 1 + 2 and 3 + 4.
-    backward = [(2 + recompute) * f for f in forward]
     expected = simulator.Simulate(
-        simulator.Orders(row['schedule'], 2, m), forward, backward,
-        activation_bytes=held_mb * scale, input_grad_cost=[(1 + recompute) * f for f in forward],
-        weight_grad_cost=forward)
+        simulator.Orders(row['schedule'], 2, m), [f + 0.5 for f in forward],
+        [(2 + recompute) * f + 0.5 for f in forward], activation_bytes=held_mb * scale,
+        input_grad_cost=[(1 + recompute) * f + 0.5 for f in forward],
+        weight_grad_cost=[f + 0.5 for f in forward])
     assert row['step_ms'] == pytest.approx(expected.step_time)
     assert row['peak_activation_mb'] == pytest.approx(expected.peak_activation_bytes.max())
   assert [r['schedule'] for r in rows['m8']] == ['1f1b', 'zb_h1']

@@ -3,8 +3,9 @@ r"""Predicts pipelined steps beyond this machine with the schedule simulator.
 Stage costs are uniform (--forward_ms, --backward_ms) or a balance plan's
 measured stage costs (--plan, tools/plan_balance.py), optionally scaled to
 other hardware (--speedup); --transfer_ms adds a hand-over per stage boundary.
-A plan's batch stays the plan's: at another M each micro-batch's times and
-activations scale by the plan's M / M (as the planner scales them), and
+A plan's batch stays the plan's: at another M each micro-batch's layer times
+and activations scale by the plan's M / M (Plan.AtMicroBatches, as the planner
+scales them; its per-action overhead stays), and
 without --micro_batches / --schedules the plan's own M and schedule run.
 For each schedule and (K, M) it prints the predicted step time, bubble (and
 the unit-cost theory), micro-batches in flight and peak activation memory per
@@ -97,14 +98,13 @@ def _Cases(plan):
   ms = ([int(m) for m in FLAGS.micro_batches] if FLAGS['micro_batches'].present
         else [plan.num_micro_batches])
   names = FLAGS.schedules if FLAGS['schedules'].present else [plan.schedule]
-  costs = plan.StageCosts() + plan.SplitBackwardCosts()
   cases = []
-  for name in names:
-    for m in ms:
-      scale = plan.num_micro_batches / m  # The plan's batch in M micro-batches.
-      per_micro = [[t * 1e3 * scale / FLAGS.speedup for t in stages] for stages in costs]
-      kept = [b * scale / 2**20 for b in plan.HeldBytes()]
-      cases.append((name, plan.num_stages, m, *per_micro, kept))
+  for m in ms:
+    at_m = plan.AtMicroBatches(m)
+    per_micro = [[t * 1e3 / FLAGS.speedup for t in stages]
+                 for stages in at_m.StageCosts() + at_m.SplitBackwardCosts()]
+    kept = [b / 2**20 for b in at_m.HeldBytes()]
+    cases += [(name, plan.num_stages, m, *per_micro, kept) for name in names]
   return cases
 
 

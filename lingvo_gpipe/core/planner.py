@@ -313,6 +313,13 @@ class Plan:
     return ([float(model.InputGrad(j, i)) for j, i in self._Bounds()],
             [float(model.WeightGrad(j, i)) for j, i in self._Bounds()])
 
+  def AtMicroBatches(self, num_micro_batches):
+    """The plan with its batch in `num_micro_batches` micro-batches: the layers' profiles
+    scaled to their rows as ChoosePlan scales them (the per-action overhead is not)."""
+    return dataclasses.replace(
+        self, layers=_Scaled(self.layers, self.num_micro_batches / num_micro_batches),
+        num_micro_batches=num_micro_batches)
+
   def HeldBytes(self):
     """Bytes per stage that a micro-batch holds between its forward and its backward (the
     simulator's activation_bytes)."""
