@@ -25,3 +25,51 @@ def testOnlyFloatInputsAndWeightsAreWatched():
   executor._Watch(tape, theta, args)  # pylint: disable=protected-access
   assert sorted(x.dtype.name for x in tape.watched) == ['float32', 'float32']
   assert any(x is theta.w for x in tape.watched) and any(x is args[0] for x in tape.watched)
+
+
+def _TwoStagePipe(sched):
+  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+  layer = layers.TransformerFeedForwardLayer.Params().Set(input_dim=8, hidden_dim=16)
+  cells = gpipe.PartitionSequentialLayers([layer.Copy() for _ in range(4)], 2,
+                                          tf.TensorShape([8, 8]))
+  return gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells, num_micro_batches=4,
+                                            schedule=sched).Instantiate()
+
+
+def _WaitsFor(op, target, seen=None):
+  """Whether `op` runs after `target` (through inputs or control inputs)."""
+  seen = set() if seen is None else seen
+  if op is target:
+    return True
+  if op.name in seen:
+    return False
+  seen.add(op.name)
+  return any(_WaitsFor(x, target, seen) for x in [t.op for t in op.inputs] + op.control_inputs)
+
+
+def testOnlyAFirstActionsHandOverIsAwaitedByItsSender():
+  """The second stage's first forward waits idle for the first stage's output: that send
+  is copied onto the second stage before the first stage goes on (TensorFlow ran it after
+  the sender's next action had started: 2-4 ms late on two worker processes); later
+  hand-overs, whose receivers are busy, are not."""
+  pipe = _TwoStagePipe('zb_h1')
+  x = tf.random.stateless_normal([8, 8], [1, 2])
+
+  @tf.function
+  def Step():
+    return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean(tf.square(y)))
+
+  graph = Step.get_concrete_function().graph
+  copies = [op for op in graph.get_operations() if op.name.startswith('hand_over_to_')]
+  assert {op.name.split('/')[0] for op in copies} == {'hand_over_to_chunk1_0'}, copies
+  (copy,) = copies
+  assert tf.DeviceSpec.from_string(copy.device) == tf.DeviceSpec.from_string(pipe.devices[1])
+  ops = {op.name: op for op in graph.get_operations()}
+  next_forward = [op for name, op in ops.items() if name.startswith('chunk0_F1/')]
+  # Each forward is one call of its chunk's function (remat 'always', the default).
+  assert next_forward and all(_WaitsFor(op, copy) for op in next_forward
+                              if op.type.endswith('PartitionedCall')), 'chunk 0 went on'
+  # The receiver's first forward computes on the copy.
+  assert any(_WaitsFor(op, copy) for name, op in ops.items()
+             if name.startswith('chunk1_F0/') and op.type.endswith('PartitionedCall'))

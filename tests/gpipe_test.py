@@ -590,8 +590,10 @@ def testABatchHeldElsewhereReachesTheFirstDeviceAMicroBatchAtATime(sched):
     op = released[m]
     assert tf.DeviceSpec.from_string(op.device).device_index == 3, op.device
     before_last = first[i - 2]
-    assert {_StepOf(c.name) for c in op.control_inputs} == {
-        f'chunk{before_last.chunk}_{before_last.kind}{before_last.micro_batch}'}, (m, i)
+    # (An action that hands over to a device's first action also waits for that copy.)
+    assert {_StepOf(c.name) for c in op.control_inputs
+            if not c.name.startswith('hand_over_to_')} == {
+                f'chunk{before_last.chunk}_{before_last.kind}{before_last.micro_batch}'}, (m, i)
 
 
 def _DropoutCell():
