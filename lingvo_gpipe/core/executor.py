@@ -443,8 +443,9 @@ class Pass:
       tokens.append(self.tracer.End(self.replica, device, action, start, outputs, recompute_end))
     return tokens + list(handed_over)
 
-  def _HandOver(self, consumer, value):
-    """(value as `consumer` takes it, tokens for the sender's next action to wait for).
+  def _HandOver(self, sender, consumer, value):
+    """(value as `consumer` takes it from chunk `sender`, tokens for the sender's next action
+    to wait for).
 
     A device's first action of a pass (`awaited`) waits idle for its input. The
     sender's next action is ready at once, and on a worker process whose one core
@@ -453,7 +454,8 @@ class Pass:
     copied onto the receiver, and the sender goes on once the copy exists.
     """
     to_device = self.devices[consumer.chunk]
-    if consumer not in self.awaited or tf.executing_eagerly():
+    if (consumer not in self.awaited or to_device == self.devices[sender] or
+        tf.executing_eagerly()):  # (Stages may share a device: allow_device_reuse.)
       return value, []
     with tf.name_scope(f'hand_over_to_chunk{consumer.chunk}_{consumer.micro_batch}/'), \
         tf.device(to_device):
@@ -502,8 +504,8 @@ class Pass:
     self.acts[key] = acts
     handed_over = []
     if c + 1 < self.num_chunks:
-      self.inputs[(m, c + 1)], handed_over = self._HandOver(schedule_lib.Action(F, m, c + 1),
-                                                            out)
+      self.inputs[(m, c + 1)], handed_over = self._HandOver(
+          c, schedule_lib.Action(F, m, c + 1), out)
     else:
       self.outputs[m] = out
     return self._End(device, action, start, (out, acts), handed_over=handed_over)
@@ -523,7 +525,7 @@ class Pass:
       self.input_grads[m] = d_args
       return []
     consumer = schedule_lib.Action(B if (m, c - 1) in self.split else BW, m, c - 1)
-    self.out_grads[(m, c - 1)], handed_over = self._HandOver(consumer, d_args)
+    self.out_grads[(m, c - 1)], handed_over = self._HandOver(c, consumer, d_args)
     return handed_over
 
   def _TapedForward(self, c, args, updates, split):
@@ -665,8 +667,8 @@ class Pass:
 
 
 def _FirstActions(actions, placement):
-  """Each device's first action among `actions` whose input another device makes (a
-  first chunk's forward takes the batch): until that input arrives the device is idle."""
+  """Each stage's first action among `actions` whose input another stage makes (a first
+  chunk's forward takes the batch): until that input arrives the stage is idle."""
   firsts = {}
   for action in actions:
     if action.kind != L:
