@@ -27,14 +27,16 @@ def testOnlyFloatInputsAndWeightsAreWatched():
   assert any(x is theta.w for x in tape.watched) and any(x is args[0] for x in tape.watched)
 
 
-def _TwoStagePipe(sched):
+def _TwoStagePipe(sched, **overrides):
+  """A two-stage pipeline of 4 feed-forward layers, M=4; `overrides` are
+  PipeliningLayer params (e.g. devices)."""
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
   layer = layers.TransformerFeedForwardLayer.Params().Set(input_dim=8, hidden_dim=16)
   cells = gpipe.PartitionSequentialLayers([layer.Copy() for _ in range(4)], 2,
                                           tf.TensorShape([8, 8]))
   return gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells, num_micro_batches=4,
-                                            schedule=sched).Instantiate()
+                                            schedule=sched, **overrides).Instantiate()
 
 
 def _WaitsFor(op, target, seen=None):
@@ -87,13 +89,6 @@ def testOnlyAFirstActionsHandOverIsAwaitedByItsSender():
 def testStagesSharingADeviceHandOverWithoutACopy():
   """With allow_device_reuse two stages may share a device: nothing is sent, so nothing is
   copied or waited for."""
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
-  layer = layers.TransformerFeedForwardLayer.Params().Set(input_dim=8, hidden_dim=16)
-  cells = gpipe.PartitionSequentialLayers([layer.Copy() for _ in range(4)], 2,
-                                          tf.TensorShape([8, 8]))
-  shared = gpipe.PipeliningLayer.Params().Set(
-      name='pipe', cell_tpl=cells, num_micro_batches=4, schedule='1f1b',
-      devices=['/device:CPU:0'], allow_device_reuse=True).Instantiate()
+  shared = _TwoStagePipe('1f1b', devices=['/device:CPU:0'], allow_device_reuse=True)
   assert not _CopiedHandOvers(_StepGraph(shared))
   assert _CopiedHandOvers(_StepGraph(_TwoStagePipe('1f1b'))) == {'hand_over_to_chunk1_0'}

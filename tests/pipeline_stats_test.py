@@ -341,7 +341,6 @@ def testEveryStampNamesItsDeviceInsideItsCall():
   assert stamped == {0: 8, 1: 8}  # Start and end of F and BW of 2 micro-batches per stage.
 
 
-
 def testStackTimesKeepsEachStampOnItsDevice():
   """A stamp sent off its device as soon as it exists costs that device's thread a send
   between two actions (0.1-0.2 ms each on two worker processes, counted as idle): each
