@@ -496,6 +496,29 @@ def _MatMulsRun(graph):
   return sum(graph.get_operation_by_name(name).type == 'MatMul' for name in seen)
 
 
+def _FunctionMatMuls(graph, name):
+  """MatMuls each traced function whose name holds `name` runs (its returned values and
+  stateful ops need them; calls of other functions counted in), by function name."""
+  library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+
+  def Count(fn):
+    nodes = {n.name: n for n in fn.node_def}
+    todo = [v.split(':')[0] for v in list(fn.ret.values()) + list(fn.control_ret.values())]
+    seen, total = set(), 0
+    while todo:
+      node = nodes.get(todo.pop().lstrip('^'))
+      if node is None or node.name in seen:
+        continue
+      seen.add(node.name)
+      total += node.op == 'MatMul'
+      if 'f' in node.attr and node.attr['f'].func.name in library:
+        total += Count(library[node.attr['f'].func.name])
+      todo += [x.split(':')[0] for x in node.input]
+    return total
+
+  return {n: Count(f) for n, f in library.items() if name in n}
+
+
 class _ProjRes(base_layer.BaseLayer):
   """x + proj2(relu(proj1(x))): each weight used by a layer call of its own."""
 
@@ -510,13 +533,13 @@ class _ProjRes(base_layer.BaseLayer):
 
 
 @pytest.mark.parametrize('layer', [_ProjRes, _Res])
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
-def testAStepRunsThePlainModelsMatMulsPerMicroBatch(sched, layer):
-  """Without re-materialization each micro-batch costs what the plain model's step costs: in
-  particular the first chunk takes no gradient of the pipeline's input, which nothing uses,
-  and a split W walks no activation chain again, whether a layer's weights are each used by
-  a layer call of its own (_ProjRes) or chained in one call's own ops (_Res)."""
-  pipe = _Pipe(2, 4, 'never', sched, layer=layer)
+def testAStepRunsThePlainModelsMatMulsPerMicroBatch(layer):
+  """Without re-materialization (1F1B) each micro-batch costs what the plain model's step
+  costs: the forward's call keeps what its backward needs, and nothing is recomputed. (The
+  backward TensorFlow makes of a call holds the gradient of every input: the first chunk's
+  also that of the pipeline's input, which nothing uses; the backward call, unlike the
+  actions' own, may be inlined, and its unused outputs pruned.)"""
+  pipe = _Pipe(2, 4, 'never', '1f1b', layer=layer)
   spec = tf.TensorSpec([BATCH, DIM])
 
   @tf.function
@@ -533,7 +556,38 @@ def testAStepRunsThePlainModelsMatMulsPerMicroBatch(sched, layer):
 
   plain = _MatMulsRun(Plain.get_concrete_function(spec).graph)
   assert plain == 8 * 2 + 8 * 4 - 1  # Forward 2 per layer, backward 4 but the input's.
-  assert _MatMulsRun(Step.get_concrete_function(spec).graph) == 4 * plain
+  graph = Step.get_concrete_function(spec).graph
+  # The forward as it runs: TensorFlow's rewrite of it that also returns what its
+  # backward needs.
+  forwards = _FunctionMatMuls(graph, '_Forward')
+  backwards = {n: c for n, c in forwards.items() if 'backward' in n}
+  assert set(forwards.values()) == {8, 16}  # 4 layers a chunk, 2 and 4 matmuls each.
+  assert sorted(backwards.values()) == [16, 16], backwards
+  assert 2 * 8 + sum(backwards.values()) == plain + 1
+
+
+@pytest.mark.parametrize('layer', [_ProjRes, _Res])
+@pytest.mark.parametrize('sched', ['zb_h1', 'zbv'])
+def testASplitWeightGradientWalksNoActivationChain(sched, layer):
+  """W's function runs one matmul per weight, the weight gradient, from what B handed
+  over, whether a layer's weights are each used by a layer call of its own (_ProjRes) or
+  chained in one call's own ops (_Res); B recomputes the forward and walks the chain once."""
+  pipe = _Pipe(2, 4, 'never', sched, layer=layer)
+
+  @tf.function
+  def Step(x):
+    return pipe.ForwardBackward(pipe.theta, x, _Loss)
+
+  graph = Step.get_concrete_function(tf.TensorSpec([BATCH, DIM])).graph
+  layers_per_chunk = 8 // pipe.num_chunks
+  weights = _FunctionMatMuls(graph, '_WeightGrad')
+  assert weights and set(weights.values()) == {2 * layers_per_chunk}, weights
+  inputs = _FunctionMatMuls(graph, '_InputGrad')
+  # Recompute 2 per layer but the last layer's output (its gradient is given), the
+  # activation chain 2 per layer (the first chunk takes no gradient of the pipeline's input).
+  assert sorted(inputs.values()) == sorted(
+      4 * layers_per_chunk - 1 - (c == 0) for c in range(pipe.num_chunks)), inputs
+  assert all(fn.splits for fn in pipe.cell_functions[0])
 
 
 @pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)

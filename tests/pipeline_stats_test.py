@@ -192,10 +192,10 @@ def _CheckTimeline(timeline, num_stages, num_micro_batches, remat, sched='gpipe'
                          for a in order if a.kind != 'L')
   assert np.all(timeline.start <= timeline.end)
   recomputed = ~np.isnan(timeline.recompute_end)
-  recomputes = (timeline.kind == 1) | (timeline.kind == 3)  # A B or BW, not a W.
-  expected = recomputes & {'always': True, 'never': False,
-                                  'except_last': timeline.micro_batch < num_micro_batches - 1
-                                  }[remat]
+  # A BW recomputes as remat says; a B always does (W takes what it hands over).
+  expected = (timeline.kind == 1) | ((timeline.kind == 3) & {
+      'always': True, 'never': False,
+      'except_last': timeline.micro_batch < num_micro_batches - 1}[remat])
   np.testing.assert_array_equal(recomputed, expected)
   assert np.all(timeline.start[recomputed] <= timeline.recompute_end[recomputed])
   assert np.all(timeline.recompute_end[recomputed] <= timeline.end[recomputed])

@@ -31,14 +31,13 @@ micro-batch's random ops and statistics use its own offset and size.
 """
 
 import contextlib
-import functools
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import layer_tapes
 from lingvo_gpipe.core import microbatch
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import schedule as schedule_lib
+from lingvo_gpipe.core import weight_grads
 
 # The scope of the variables the executor makes for itself (gradient sums, clocks): not
 # the model's and never saved; a runner that manages variables by name (estimator.py)
@@ -64,15 +63,6 @@ def Replaced(values, positions, replacements):
   for i, x in zip(positions, replacements):
     values[i] = x
   return values
-
-
-def After(tokens, structure):
-  """`structure` made to wait for `tokens` (no-op when eager: Python orders it)."""
-  if not tokens or tf.executing_eagerly():
-    return structure
-  with tf.control_dependencies(tokens):
-    return tf.nest.map_structure(
-        lambda x: tf.identity(x) if isinstance(x, tf.Tensor) else x, structure)
 
 
 def _Tokens(structure):
@@ -106,12 +96,18 @@ class GradientSum:
                       for i, x in enumerate(tf.nest.flatten(theta))]
     return self._sums
 
-  def Add(self, theta, grads, first):
-    """Adds `grads` (the first of a pass replaces the last pass's sum); returns a token that
-    exists once they are added."""
-    update = 'assign' if first else 'assign_add'
-    ops = [getattr(s, update)(g, read_value=False)
-           for s, g in zip(self.Variables(theta), tf.nest.flatten(grads))]
+  def Zero(self, theta):
+    """Starts a pass's sum at zero; returns a token that exists once it is."""
+    return self._Done([s.assign(tf.zeros_like(s), read_value=False)
+                       for s in self.Variables(theta)])
+
+  def Add(self, theta, grads):
+    """Adds `grads`; returns a token that exists once they are added."""
+    return self._Done([s.assign_add(g, read_value=False)
+                       for s, g in zip(self.Variables(theta), tf.nest.flatten(grads))])
+
+  @staticmethod
+  def _Done(ops):
     with tf.control_dependencies([op for op in ops if op is not None]):
       return tf.constant(True)
 
@@ -136,17 +132,16 @@ def _MayBeEmpty(rows):
   return not (isinstance(rows, int) and rows > 0)
 
 
-def _Accumulate(total, theta, grads, added, rows):
+def _Accumulate(total, theta, grads, rows):
   """Adds a chunk's weight gradients of a micro-batch of `rows` rows to its GradientSum
-  `total`, after the add that made the token `added` (None before the pass's first); returns
-  the token of this add. An empty micro-batch adds zeros: its gradients are 0 but where a
-  layer's statistics over no rows are NaN (0 * NaN in Keras's batch norm)."""
+  `total`; returns the add's token. An empty
+  micro-batch adds zeros: its gradients are 0 but where a layer's statistics over no rows
+  are NaN (0 * NaN in Keras's batch norm)."""
   if _MayBeEmpty(rows):
     grads = tf.nest.map_structure(
         lambda g: tf.where(rows > 0, g, tf.zeros_like(g)), tf.nest.map_structure(
             tf.convert_to_tensor, grads))
-  with tf.control_dependencies(_Tokens(added)):
-    return total.Add(theta, grads, first=added is None)
+  return total.Add(theta, grads)
 
 
 def _Watch(tape, theta, args):
@@ -235,9 +230,8 @@ class StepTracer:
     self.clocks = clocks
 
   def Start(self, device, inputs):
-    """(stamp when inputs are ready, the inputs made to wait for it)."""
-    start = Stamp(self.clocks[device], inputs)
-    return start, After([start], inputs)
+    """The stamp taken once `inputs` (tensors, and tokens to wait for) exist."""
+    return Stamp(self.clocks[device], inputs)
 
   def End(self, replica, device, action, start, outputs, recompute_end=None):
     """Records the action; returns its end stamp, for the device's next action to wait for."""
@@ -252,90 +246,171 @@ class StepTracer:
 
 
 class CellFunctions:
-  """Chunk c's forward and fused recompute-then-backward, each traced once as a function.
+  """Chunk c's actions, each traced once as a function: one call op per action.
 
-  An action is then one call op: unrolling K=4 cells over M=32 inline made 80k
-  ops and minutes of tracing. `_noinline` stops TensorFlow from inlining the
-  calls back before it optimizes the graph. Where the micro-batch sits in the
-  batch and the step are tensor arguments, so one trace serves every
-  micro-batch; batch-norm statistics come back keyed by layer path, so no trace
-  leaves state behind that another trace's calls would rely on. The backward
-  adds the weight gradients to the chunk's `grad_sum` in place; the first of a
-  pass replaces the sum instead: it is a function of its own, so neither
-  function is traced twice (None, then a token).
+  Unrolled inline, K=8 cells over M=64 micro-batches made 60-80 ops per action
+  and a minute of tracing; a call's ops are traced once per chunk, whatever M.
+  `_noinline` stops TensorFlow from inlining the calls back before it optimizes
+  the graph. Where the micro-batch sits in the batch and the step are tensor
+  arguments, so one trace serves every micro-batch; batch-norm statistics come
+  back keyed by layer path, so no trace leaves state behind that another
+  trace's calls would rely on. A backward adds the weight gradients to the
+  chunk's `grad_sum` in place, which `Zero` starts each pass at.
+
+    Forward       the chunk's outputs (under a caller's tape when not
+                  re-materialized: TensorFlow then keeps what the backward
+                  needs as the call's extra outputs);
+    Backward      BW: the recompute and both gradients;
+    InputGrad     B: the recompute, the input gradient, and what W needs, as
+                  tensors (weight_grads.py);
+    WeightGrad    W: the weight gradients from what B handed over;
+    Accumulate    adds gradients taken from a caller's tape to the sum;
+    Zero          starts the sum of a pass.
   """
 
   def __init__(self, layer, chunk, device, replica=0):
     self._layer = layer
     self._chunk = chunk
     self._device = device
-    options = dict(autograph=False, experimental_attributes={'_noinline': True},
-                   jit_compile=layer.params.jit_compile)
-    self._forward = py_utils.DistinctFunction(self._Forward, **options)
-    self._backward = py_utils.DistinctFunction(self._Backward, **options)
-    self._first_backward = py_utils.DistinctFunction(self._FirstBackward, **options)
+    options = dict(autograph=False, experimental_attributes={'_noinline': True})
+    jit = dict(options, jit_compile=layer.params.jit_compile)
+
+    def Function(method, **kwargs):  # Named e.g. chunk1_InputGrad in graphs and traces.
+      return py_utils.DistinctFunction(method, name=f'chunk{chunk}{method.__name__}', **kwargs)
+
+    self._forward = Function(self._Forward, **jit)
+    self._backward = Function(self._Backward, **jit)
+    self._input_grad = Function(self._InputGrad, **options)
+    self._weight_grad = Function(self._WeightGrad, **options)
+    self._accumulate = Function(self._Accumulate, **options)
+    self._zero = Function(self._Zero, **options)
+    self._plan = None  # B's last trace's weight_grads.WeightGradPlan (None: B takes W too).
+    self.fused_split_reason = None  # Why the chunk's B takes the weight gradients too.
     self.grad_sum = GradientSum(device, f'{layer.path}/replica{replica}/chunk{chunk}')
 
-  def _Forward(self, theta, args, where, training):
+  @property
+  def splits(self):
+    """Whether B hands W what it needs (else B takes the weight gradients itself)."""
+    return self._plan is not None
+
+  def _Fprop(self, theta, args):
+    return self._layer.CellFProp(self._chunk, theta, args)
+
+  def _Forward(self, theta, args, where, step, training):
     updates = []
-    with tf.device(self._device), _Context(self._layer, where, training, updates):
-      out, acts = self._layer.CellFProp(self._chunk, theta, args)
+    with tf.device(self._device), _Context(self._layer, where, step, training, updates):
+      out, acts = self._Fprop(theta, args)
     stats = {}
     for layer, layer_stats in updates:
       stats.setdefault(layer.path, []).append(layer_stats)
     return out, acts, stats
 
-  def _Backward(self, theta, args, grads_in, added, where, training, clock, arg_grads,
+  def _Add(self, theta, d_theta, where, may_be_empty):
+    return _Accumulate(self.grad_sum, theta, d_theta, where[1] if may_be_empty else 1)
+
+  def _Backward(self, theta, args, grads_in, where, step, training, clock, arg_grads,
                 may_be_empty):
-    with tf.device(self._device), _Context(self._layer, where, training, []):
+    with tf.device(self._device), _Context(self._layer, where, step, training, []):
       with tf.GradientTape(watch_accessed_variables=False) as tape:
         # Watched, an argument's gradient is taken even if not asked for.
         _Watch(tape, theta, args if arg_grads else ())
-        targets = self._layer.CellFProp(self._chunk, theta, args)
+        targets = self._Fprop(theta, args)
       recomputed = None if clock is None else Stamp(clock, targets)
       d_args, d_theta = _CellGradients(tape, targets, grads_in, args if arg_grads else None,
                                        theta)
-      rows = where[1] if may_be_empty else 1
-      return d_args, _Accumulate(self.grad_sum, theta, d_theta, added, rows), recomputed
+      return d_args, self._Add(theta, d_theta, where, may_be_empty), recomputed
 
-  def _FirstBackward(self, theta, args, grads_in, where, training, clock, arg_grads,
-                     may_be_empty):
-    return self._Backward(theta, args, grads_in, None, where, training, clock, arg_grads,
-                          may_be_empty)
+  def _InputGrad(self, theta, args, grads_in, where, step, training, clock, arg_grads,
+                 may_be_empty):
+    with tf.device(self._device), _Context(self._layer, where, step, training, []):
+      with tf.GradientTape(watch_accessed_variables=False) as tape:
+        _Watch(tape, theta, args)  # Theta too, so that the frontier ops are recorded.
+        targets, self._plan, self.fused_split_reason = weight_grads.WeightGradPlan.Trace(
+            self._Fprop, theta, args)
+      recomputed = None if clock is None else Stamp(clock, targets)
+      if self._plan is None:
+        d_args, d_theta = _CellGradients(tape, targets, grads_in,
+                                         args if arg_grads else None, theta)
+        return d_args, (), (), self._Add(theta, d_theta, where, may_be_empty), recomputed
+      (d_args, adjoints), _ = _CellGradients(tape, targets, grads_in,
+                                             (args if arg_grads else (), self._plan.adjointed))
+      return d_args if arg_grads else None, self._plan.saved, adjoints, None, recomputed
 
-  def Forward(self, theta, args, where, training):
-    """(outputs, activations, [(layer, stats)]) of the chunk.
+  def _WeightGrad(self, theta, saved, adjoints, where, may_be_empty):
+    with tf.device(self._device):
+      d_theta = self._plan.WeightGradients(theta, saved, adjoints)
+      d_theta = tf.nest.pack_sequence_as(theta, Replaced(
+          [None] * len(tf.nest.flatten(theta)), _FloatPositions(theta), d_theta))
+      return self._Add(theta, _ZerosWhereNone(theta, d_theta), where, may_be_empty)
 
-    where: (offset of the micro-batch in the whole batch, its size, step).
-    """
-    out, acts, stats = self._forward(theta, args, _Variables(where), training)
+  def _Accumulate(self, theta, d_theta, where, may_be_empty):
+    with tf.device(self._device):
+      return self._Add(theta, d_theta, where, may_be_empty)
+
+  def _Zero(self, theta):
+    with tf.device(self._device):
+      return self.grad_sum.Zero(theta)
+
+  def Zero(self, theta):
+    """The token of starting grad_sum at zero."""
+    return self._zero(theta)
+
+  def Forward(self, theta, args, where, step, training):
+    """(outputs, activations, [(layer, stats)]) of the chunk; `where` is the micro-batch's
+    (offset in the whole batch, size), `step` the training step (tensors)."""
+    out, acts, stats = self._forward(theta, args, where, step, training)
     by_path = self._layer.cell[self._chunk].LayersByPath()
     return out, acts, [(by_path[path], s) for path in sorted(stats) for s in stats[path]]
 
-  def Backward(self, theta, args, grads_in, added, where, training, clock=None,
+  def Backward(self, theta, args, grads_in, where, step, training, rows, clock=None,
                arg_grads=True):
-    """(input grads (None without arg_grads), the token of adding the theta grads to
-    grad_sum, the time the recompute ended if a clock is given) of the chunk; `added` is the
-    token of the pass's last add (None: this is its first)."""
-    may_be_empty = _MayBeEmpty(where[1])
-    where = _Variables(where)
-    if added is None:
-      return self._first_backward(theta, args, grads_in, where, training, clock, arg_grads,
-                                  may_be_empty)
-    return self._backward(theta, args, grads_in, added, where, training, clock, arg_grads,
-                          may_be_empty)
+    """(input grads (None without arg_grads), the token of adding the weight gradients to
+    grad_sum, the time the recompute ended if a clock is given); `rows` is the micro-batch's
+    (may_be_empty)."""
+    return self._backward(theta, args, grads_in, where, step, training, clock, arg_grads,
+                          _MayBeEmpty(rows))
+
+  def InputGrad(self, theta, args, grads_in, where, step, training, rows, clock=None,
+                arg_grads=True):
+    """(input grads, what W takes (saved, adjoints), the token of adding the weight gradients
+    if B took them (not `splits`) else None, the recompute's end stamp)."""
+    d_args, saved, adjoints, added, recomputed = self._input_grad(
+        theta, args, grads_in, where, step, training, clock, arg_grads, _MayBeEmpty(rows))
+    return d_args, (saved, adjoints), added, recomputed
+
+  def WeightGrad(self, theta, pending, where, rows):
+    """The token of adding the weight gradients from B's `pending` to grad_sum."""
+    saved, adjoints = pending
+    return self._weight_grad(theta, saved, adjoints, where, _MayBeEmpty(rows))
+
+  def Accumulate(self, theta, d_theta, where, rows):
+    """The token of adding `d_theta` (shaped like theta) to grad_sum."""
+    return self._accumulate(theta, d_theta, where, _MayBeEmpty(rows))
 
 
-def _Variables(where):
-  # Grappler specializes a function for each call with constant inputs (here: the
-  # micro-batch offset), which for K x M calls takes minutes; grappler does not
-  # fold a PlaceholderWithDefault, so adding one (0) keeps inputs variable.
-  zero = tf.raw_ops.PlaceholderWithDefault(input=tf.constant(0, tf.int64), shape=[])
-  return tuple(zero + tf.cast(x, tf.int64) for x in where)
+def _FloatPositions(structure):
+  return [i for i, x in enumerate(tf.nest.flatten(structure)) if IsFloatTensor(x)]
 
 
-def _Context(layer, where, training, updates=None):
-  offset, size, step = where
+def _ZerosWhereNone(like, grads):
+  return tf.nest.map_structure(lambda x, g: tf.zeros_like(x) if g is None else g, like, grads)
+
+
+def MicroBatchWheres(sizes, offsets):
+  """Per micro-batch, its (offset, size) as one int64 vector, from one table.
+
+  Grappler specializes a function for each call with constant inputs (here:
+  the micro-batch offset), which for K x M calls takes minutes; it does not
+  fold a PlaceholderWithDefault, which keeps the table variable: two ops and a
+  constant per device and pass, not some per action.
+  """
+  table = tf.cast(tf.stack([tf.stack([o, s]) for o, s in zip(offsets, sizes)]), tf.int64)
+  table = tf.raw_ops.PlaceholderWithDefault(input=table, shape=[len(sizes), 2])
+  return tf.unstack(table)
+
+
+def _Context(layer, where, step, training, updates=None):
+  offset, size = where[0], where[1]
   return py_utils.Context(training=training, step=step, updates=updates,
                           batch_slice=py_utils.BatchSlice(offset, size, layer.params.batch_dim))
 
@@ -393,13 +468,14 @@ class Pass:
     self.out_grads = {}
     self.act_grads = {}
     self.input_grads = {}
-    # Per chunk, the token of its last weight-gradient add (None before the first): the sum
+    # Per chunk, the token of its last weight-gradient add or of its Zero (None before): the sum
     # itself is in the chunk's GradientSum (ThetaGrads reads it).
     self.theta_grads = [None] * self.num_chunks
     self.tokens = [[] for _ in self.devices]
     self.earlier_tokens = [[] for _ in self.devices]  # Those of the action before last.
     self.awaited = set()  # Actions whose device waits idle for their input (Replicas.Execute).
     self.updates = []
+    self.wheres = {}  # Per device, each micro-batch's (offset, size) (_Where).
     if keep_inputs:
       # Made now, not by the first backward: a backward may run where no variable can be
       # made (a tape's gradient, in a caller's function traced again).
@@ -422,19 +498,24 @@ class Pass:
     if self.layer.num_replicas > 1:
       scope.enter_context(tf.name_scope(f'replica{self.replica}'))
     scope.enter_context(tf.name_scope(f'chunk{action.chunk}_{action.kind}{action.micro_batch}'))
-    scope.enter_context(_Context(self.layer, self._Where(action.micro_batch), self.training))
     return scope
 
-  def _Where(self, m):
-    """(offset of micro-batch m in the whole batch, its size, step): what random ops need."""
-    return (self.first_example + self.offsets[m], self.sizes[m], self.step)
+  def _Where(self, m, device):
+    """Micro-batch m's (offset in the whole batch, size) as the device's functions take it
+    (MicroBatchWheres, made once per device and pass)."""
+    if device not in self.wheres:
+      with tf.name_scope('micro_batch_wheres'):
+        self.wheres[device] = MicroBatchWheres(
+            self.sizes, [self.first_example + o for o in self.offsets])
+    return self.wheres[device][m]
 
   def _Begin(self, device, inputs):
-    """`inputs` made to wait for the device's previous action; (start stamp or None, inputs)."""
-    inputs = After(self.tokens[device], inputs)
+    """What the device's next call waits for (its previous action, the start stamp) and the
+    start stamp (None without a tracer)."""
     if self.tracer is None:
-      return None, inputs
-    return self.tracer.Start(device, inputs)
+      return list(self.tokens[device]), None
+    start = self.tracer.Start(device, (inputs, self.tokens[device]))
+    return [start], start
 
   def _End(self, device, action, start, outputs, recompute_end=None, handed_over=()):
     """The tokens the device's next action waits for."""
@@ -485,20 +566,24 @@ class Pass:
                                       m < self.num_micro_batches - 1)
 
   def _Forward(self, action, device):
+    """F: one call of the chunk's forward; without remat under a tape, which keeps what the
+    backward needs. A split backward's B recomputes: its forward keeps only its input."""
     m, c = action.micro_batch, action.chunk
     key = (m, c)
     if c == 0:
       self.inputs[key] = self._Released(m, device)
-    start, args = self._Begin(device, self.inputs[key])
-    if self._Remat(m):
-      out, acts, updates = self.functions[c].Forward(self.thetas[c], args, self._Where(m),
-                                                     self.training)
-      if not self.keep_inputs:
-        del self.inputs[key]
-    else:
-      updates = []
-      self.tapes[key] = self._TapedForward(c, args, updates, key in self.split)
-      out, acts = self.tapes[key][2]
+    args = self.inputs[key]
+    waits, start = self._Begin(device, args)
+    taped = not (self._Remat(m) or key in self.split)
+    tape = tf.GradientTape(watch_accessed_variables=False) if taped else None
+    with tf.control_dependencies(waits), tape or contextlib.nullcontext():
+      if taped:
+        _Watch(tape, self.thetas[c], args if self._WantsArgGrads(c) else ())
+      out, acts, updates = self.functions[c].Forward(
+          self.thetas[c], args, self._Where(m, device), self.step, self.training)
+    if taped:
+      self.tapes[key] = (tape, args if self._WantsArgGrads(c) else None, (out, acts))
+    if taped or not self.keep_inputs:
       del self.inputs[key]
     self.updates += updates
     self.acts[key] = acts
@@ -528,97 +613,73 @@ class Pass:
     self.out_grads[(m, c - 1)], handed_over = self._HandOver(c, consumer, d_args)
     return handed_over
 
-  def _TapedForward(self, c, args, updates, split):
-    """(tape, args, targets, LayerTapes or None) of chunk c's forward on `args` under a
-    tape; with `split`, each layer call is also recorded for a split B and W."""
-    tape = tf.GradientTape(watch_accessed_variables=False)
-    fprop = functools.partial(self.layer.CellFProp, c)
-    calls = layer_tapes.LayerTapes() if split else None
-    with tape, py_utils.Context(updates=updates, layer_tapes=calls):
-      # Watched, an argument's gradient is taken even if not asked for.
-      _Watch(tape, self.thetas[c], args if self._WantsArgGrads(c) else ())
-      targets = fprop(self.thetas[c], args) if calls is None else calls.Run(
-          fprop, self.thetas[c], args)
-    return tape, args, targets, calls
+  def _LastAdd(self, c, waits):
+    """The tokens chunk c's next weight-gradient add waits for: its last add, or a Zero of
+    its sum (made after `waits`) before the pass's first."""
+    if self.theta_grads[c] is None:
+      with tf.control_dependencies(waits):
+        self.theta_grads[c] = self.functions[c].Zero(self.thetas[c])
+    return waits + [self.theta_grads[c]]
 
-  def _Recompute(self, device, m, c, grads_in):
-    """(tape, args, targets, LayerTapes, grads_in, start, recompute end or None): chunk c's
-    forward on micro-batch m again, recorded for B and W. It also waits for the output
-    gradient, so a device holds a chunk's activations only while it can run its backward."""
-    waits = [g for g in tf.nest.flatten(grads_in) if g is not None]
-    start, (args, grads_in) = self._Begin(device, After(waits, (self.inputs.pop((m, c)),
-                                                                grads_in)))
-    # The forward recorded the batch statistics.
-    tape, args, targets, calls = self._TapedForward(c, args, [], split=True)
-    recomputed = None if self.tracer is None else Stamp(self.tracer.clocks[device], targets)
-    return tape, args, targets, calls, grads_in, start, recomputed
+  def _Added(self, c, token):
+    """Records chunk c's latest weight-gradient add."""
+    self.theta_grads[c] = token
+    return token
 
-  def _FromForwardTape(self, device, m, c, grads_in):
-    """(tape, args, targets, LayerTapes or None, grads_in, start) of a forward that kept its
-    tape (no remat)."""
-    tape, args, targets, calls = self.tapes.pop((m, c))
-    start, grads_in = self._Begin(device, grads_in)
-    return tape, args, targets, calls, grads_in, start
+  def _Clock(self, device):
+    return None if self.tracer is None else self.tracer.clocks[device]
 
   def _Backward(self, action, device):
-    """BW: both gradients; the weight gradient is added to the chunk's sum at once."""
+    """BW: both gradients, from the forward's tape or one call that recomputes; the weight
+    gradient is added to the chunk's sum at once."""
     m, c = action.micro_batch, action.chunk
     grads_in = self._GradsIn(m, c)
-    if (m, c) in self.tapes:
-      tape, args, targets, _, grads_in, start = self._FromForwardTape(device, m, c, grads_in)
-      d_args, d_theta = _CellGradients(tape, targets, grads_in,
-                                       args if self._WantsArgGrads(c) else None, self.thetas[c])
-      self.theta_grads[c] = _Accumulate(self.functions[c].grad_sum, self.thetas[c], d_theta,
-                                        self.theta_grads[c], self.sizes[m])
-      recomputed = None
-    else:
-      waits = self.tokens[device] + [g for g in tf.nest.flatten(grads_in) if g is not None]
-      args, grads_in = After(waits, (self.inputs.pop((m, c)), grads_in))
-      start, (args, grads_in) = self._Begin(device, (args, grads_in))
-      clock = None if self.tracer is None else self.tracer.clocks[device]
-      d_args, self.theta_grads[c], recomputed = self.functions[c].Backward(
-          self.thetas[c], args, grads_in, self.theta_grads[c], self._Where(m), self.training,
-          clock, self._WantsArgGrads(c))
+    waits, start = self._Begin(device, grads_in)
+    fn, where = self.functions[c], self._Where(m, device)
+    with tf.control_dependencies(self._LastAdd(c, waits)):
+      if (m, c) in self.tapes:
+        tape, args, targets = self.tapes.pop((m, c))
+        d_args, d_theta = _CellGradients(tape, targets, grads_in, args, self.thetas[c])
+        added = fn.Accumulate(self.thetas[c], d_theta, where, self.sizes[m])
+        recomputed = None
+      else:
+        d_args, added, recomputed = fn.Backward(
+            self.thetas[c], self.inputs.pop((m, c)), grads_in, where, self.step,
+            self.training, self.sizes[m], self._Clock(device), self._WantsArgGrads(c))
     handed_over = self._HandOn(m, c, d_args)
-    return self._End(device, action, start, (d_args, self.theta_grads[c]), recomputed,
+    return self._End(device, action, start, (d_args, self._Added(c, added)), recomputed,
                      handed_over)
 
   def _InputGrad(self, action, device):
-    """B: the input gradient and the layer calls' output gradients, held for W."""
+    """B: the input gradient, and what W needs, from one call that recomputes the chunk."""
     m, c = action.micro_batch, action.chunk
     grads_in = self._GradsIn(m, c)
-    if (m, c) in self.tapes:
-      tape, args, targets, calls, grads_in, start = self._FromForwardTape(device, m, c, grads_in)
-      recomputed = None
-    else:
-      tape, args, targets, calls, grads_in, start, recomputed = self._Recompute(
-          device, m, c, grads_in)
-    wanted = args if self._WantsArgGrads(c) else ()
-    (d_args, adjoints), _ = _CellGradients(tape, targets, grads_in,
-                                           args=(wanted, calls.Adjointed()))
-    self.pending_w[(m, c)] = (calls, adjoints)
-    d_args = d_args if self._WantsArgGrads(c) else None
+    fn = self.functions[c]
+    waits, start = self._Begin(device, grads_in)
+    # A B that takes the weight gradients too (fn.splits is False) adds after the last add.
+    with tf.control_dependencies(self._LastAdd(c, waits)):
+      d_args, pending, added, recomputed = fn.InputGrad(
+          self.thetas[c], self.inputs.pop((m, c)), grads_in, self._Where(m, device), self.step,
+          self.training, self.sizes[m], self._Clock(device), self._WantsArgGrads(c))
+    if added is not None:
+      self._Added(c, added)
+    self.pending_w[(m, c)] = pending if added is None else added
     handed_over = self._HandOn(m, c, d_args)
-    # The device's next action waits for the adjoints too: a first chunk's B may have no
-    # input gradient to wait for.
-    return self._End(device, action, start, (d_args, adjoints), recomputed, handed_over)
+    # The device's next action waits for the pending tensors too: a first chunk's B may have
+    # no input gradient to wait for.
+    return self._End(device, action, start, (d_args, pending, added), recomputed, handed_over)
 
   def _WeightGrad(self, action, device):
-    """W: the weight gradients, layer call by layer call, added to the chunk's sum."""
+    """W: the weight gradients from what B handed over, added to the chunk's sum."""
     m, c = action.micro_batch, action.chunk
-    calls, adjoints = self.pending_w.pop((m, c))
-    # W waits for the device's last action by a control dependency, not by passing the held
-    # gradients through identities: each is then freed once the ops that use it ran, and
-    # those no weight gradient uses are not held at all.
-    start, waits = self._Begin(device, self.tokens[device])
-    with tf.control_dependencies(_Tokens(waits)):
-      d_theta = calls.WeightGradients(adjoints, self.thetas[c])
-    # Gradient ops are named after the forward they differentiate (B's recompute): named
-    # here too, W's outputs show in graphs and traces as W's.
-    d_theta = tf.nest.map_structure(tf.identity, d_theta)
-    self.theta_grads[c] = _Accumulate(self.functions[c].grad_sum, self.thetas[c], d_theta,
-                                      self.theta_grads[c], self.sizes[m])
-    return self._End(device, action, start, self.theta_grads[c])
+    pending = self.pending_w.pop((m, c))
+    waits, start = self._Begin(device, ())
+    if isinstance(pending, tf.Tensor):  # B took the weight gradients: nothing left to do.
+      return self._End(device, action, start, pending)
+    with tf.control_dependencies(self._LastAdd(c, waits)):
+      added = self.functions[c].WeightGrad(self.thetas[c], pending, self._Where(m, device),
+                                           self.sizes[m])
+    return self._End(device, action, start, self._Added(c, added))
 
   def ThetaGrads(self):
     """Per chunk, the sum of its weight gradients over the micro-batches."""

@@ -345,14 +345,16 @@ def CombineMoments(stats_list):
   return NestedMap(mean=mean, variance=variance, count=count)
 
 
-def DistinctFunction(fn=None, **kwargs):
+def DistinctFunction(fn=None, name=None, **kwargs):
   """tf.function(fn, **kwargs), also as a decorator, whose traces TensorFlow's retracing
-  warning counts apart.
+  warning counts apart; its graphs' functions are named `name` (default: fn's name).
 
   TensorFlow counts traces per code object, so one function per layer or cell made from
   the same method or closure, each traced once, would look like one function traced again
   and again (a warning that blames the user).
   """
   if fn is None:
-    return functools.partial(DistinctFunction, **kwargs)
-  return tf.function(functools.partial(fn), **kwargs)
+    return functools.partial(DistinctFunction, name=name, **kwargs)
+  distinct = functools.partial(fn)
+  distinct.__name__ = name or getattr(fn, '__name__', 'function')
+  return tf.function(distinct, **kwargs)

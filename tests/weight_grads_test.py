@@ -1,13 +1,14 @@
-"""Tests of lingvo_gpipe.core.layer_tapes: B's adjoints and W's per-call weight gradients
-against one plain tape's gradients of the same forward."""
+"""Tests of lingvo_gpipe.core.weight_grads: B's adjoints and W's weight gradients, each in a
+function of its own, against one plain tape's gradients of the same forward."""
 
 import pytest
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.core import layer_tapes
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import remat
+from lingvo_gpipe.core import weight_grads
 
 DIM = 8
 
@@ -73,36 +74,58 @@ def _Forward(model, theta, x, scale):
   return tf.cast(z, tf.float32), tf.cast(extra, tf.float32)
 
 
-def _Grads(model, x, scale, targets_grads, split):
-  """(input grads, theta grads) of the forward: from one tape, or split into B and W.
-  theta's last tensor is read by no op: its gradient is zero."""
-  theta = tf.nest.map_structure(tf.convert_to_tensor, [m.theta for m in model] + [[1.0]])
-  tape = tf.GradientTape(watch_accessed_variables=False)
-  calls = layer_tapes.LayerTapes() if split else None
-  with tape, py_utils.Context(layer_tapes=calls):
+def _Theta(model):
+  """theta's last tensor is read by no op: its gradient is zero."""
+  return tf.nest.map_structure(tf.convert_to_tensor, [m.theta for m in model] + [[1.0]])
+
+
+def _OneTape(model, x, scale, targets_grads):
+  """(input grads, theta grads) of the forward from one tape."""
+  theta = _Theta(model)
+  with tf.GradientTape(watch_accessed_variables=False) as tape:
     tape.watch([x, scale] + tf.nest.flatten(theta))
-    run = lambda th, a, s: _Forward(model, th, a, s)
-    targets = calls.Run(run, theta, x, scale) if split else run(theta, x, scale)
-  if not split:
-    grads = tape.gradient(targets, [x, scale, tf.nest.flatten(theta)],
-                          output_gradients=targets_grads,
-                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return grads[:2], grads[2]
-  grads = tape.gradient(targets, [x, scale, calls.Adjointed()], output_gradients=targets_grads,
+    targets = _Forward(model, theta, x, scale)
+  grads = tape.gradient(targets, [x, scale, tf.nest.flatten(theta)],
+                        output_gradients=targets_grads,
                         unconnected_gradients=tf.UnconnectedGradients.ZERO)
-  return grads[:2], tf.nest.flatten(calls.WeightGradients(grads[2], theta))
+  return grads[:2], grads[2]
+
+
+def _Split(model, x, scale, targets_grads):
+  """The same, split: B in one function hands W, another function, tensors."""
+  plans = []
+
+  @tf.function(autograph=False)
+  def B(theta, x, scale):
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+      tape.watch([x, scale] + tf.nest.flatten(theta))
+      targets, plan, why = weight_grads.WeightGradPlan.Trace(
+          lambda th, a: _Forward(model, th, *a), theta, (x, scale))
+    assert plan is not None, why
+    plans.append(plan)
+    grads = tape.gradient(targets, [x, scale, plan.adjointed], output_gradients=targets_grads,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return grads[:2], plan.saved, grads[2]
+
+  @tf.function(autograph=False)
+  def W(theta, saved, adjoints):
+    return plans[-1].WeightGradients(theta, saved, adjoints)
+
+  theta = _Theta(model)
+  d_args, saved, adjoints = B(theta, x, scale)
+  d_theta = W(theta, saved, adjoints)
+  return d_args, [tf.zeros_like(t) if g is None else g
+                  for t, g in zip(tf.nest.flatten(theta), d_theta)]
 
 
 @pytest.mark.parametrize('fprop_dtype,tol', [(None, 1e-5), (tf.bfloat16, 2e-2)])
-@pytest.mark.parametrize('graph', [False, True])
-def testSplitGradientsEqualOneTape(fprop_dtype, tol, graph):
+def testSplitGradientsEqualOneTape(fprop_dtype, tol):
   model = _Model(fprop_dtype)
   x = tf.random.stateless_normal([4, DIM], [1, 2])
   scale = tf.random.stateless_normal([4, DIM], [3, 4])
   targets_grads = [tf.random.stateless_normal([4, DIM], [5, i]) for i in range(2)]
-  grads = (tf.function(_Grads, autograph=False) if graph else _Grads)
-  (ref_dx, ref_ds), ref = grads(model, x, scale, targets_grads, split=False)
-  (dx, ds), got = grads(model, x, scale, targets_grads, split=True)
+  (ref_dx, ref_ds), ref = _OneTape(model, x, scale, targets_grads)
+  (dx, ds), got = _Split(model, x, scale, targets_grads)
   assert len(got) == len(ref) and len(ref) > 20
   for a, b in zip([ref_dx, ref_ds] + ref, [dx, ds] + got):
     scale_ = max(float(tf.reduce_max(tf.abs(a))), 1e-6)
