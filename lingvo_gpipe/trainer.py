@@ -303,6 +303,19 @@ def _Describe(pipe):
           f'{schedule_lib.Name(p.schedule)}, remat {p.remat}')
 
 
+def _TracedWork(task, batch_size):
+  """What tracing a step of the task builds, e.g. 'K=8, M=64, zb_h1, 1,600 actions' per
+  pipeline: each action is one call of a function traced once per chunk."""
+  parts = []
+  for pipe in _Pipelines(task):
+    sched = pipe.GetSchedule(batch_size) if batch_size else None
+    actions = f', {len(sched.steps) * pipe.num_replicas:,} actions' if sched else ''
+    m = sched.num_micro_batches if sched else pipe.params.num_micro_batches
+    parts.append(f'K={pipe.num_stages}, M={m}, {schedule_lib.Name(pipe.params.schedule)}'
+                 f'{actions}')
+  return '; '.join(parts) or 'no pipeline'
+
+
 def _PipelineNames(task):
   """({(replica, stage): device name}, schedule label) of the task's pipeline, for trace
   tracks and logs; ({}, '') unless it has exactly one. The label is the configured
@@ -371,7 +384,14 @@ def _Train(model_params, settings, train_dir, logdir, input_device, stop):
       metrics, grads = task.ForwardBackward(theta, batch)
     return metrics, learner_lib.GradientsAndVariables(theta, grads)
 
+  batch_size = base_runner.BatchSize(dataset.element_spec)
+  for pipe in _Pipelines(task):
+    logging.info('Pipeline %s.', _Describe(pipe))
+  started = time.perf_counter()
+  logging.info('Tracing the training step: %s ...', _TracedWork(task, batch_size))
   loop_fn = learner.BuildLoop(dataset.element_spec, ForwardBackward)
+  logging.info('Traced the training step in %.1f s; its first run optimizes the graph.',
+               time.perf_counter() - started)
   # Once the run can start (the params build, the checkpoints fit them, the input makes a
   # dataset): where it ends, for an evaler (_TrainersMaxSteps).
   with tf.io.gfile.GFile(os.path.join(train_dir, 'params.txt'), 'w') as f:
@@ -380,10 +400,8 @@ def _Train(model_params, settings, train_dir, logdir, input_device, stop):
   logging.info('Training %s from step %d to train.max_steps=%d (--max_steps=N to change). '
                'Checkpoints: %s; TensorBoard: tensorboard --logdir=%s', model_params.name, step,
                settings.max_steps, train_dir, logdir)
-  for pipe in _Pipelines(task):
-    logging.info('Pipeline %s.', _Describe(pipe))
   step = base_runner.RunTraining(loop_fn, iterator, global_step, checkpointer, writer,
-                                 settings, base_runner.BatchSize(dataset.element_spec),
+                                 settings, batch_size,
                                  _PipelineStats(task, learner, ForwardBackward, train_dir), stop)
   if stop:
     stop.Check(step, checkpointer.latest)

@@ -285,8 +285,9 @@ def testPrintModelCountsTheMicroBatchesThePipelineRuns(tmp_path):
                                             ('interleaved_1f1b', [0, 1, 0, 1])])
 def testPrintModelPlacesTwoCellsPerDevice(tmp_path, sched, devices):
   """With v=2 the 4 cells run on K=2 devices as the schedule places them, the bubble is that
-  schedule's (equal cells: its unit-cost bubble, within what the cells' uneven FLOPs move it),
-  and memory is not estimated (the planner's model holds one cell per device)."""
+  schedule's (equal cells: its bubble with a forward of 1 and a backward of 2, a split B
+  recomputing the forward, within what the cells' uneven FLOPs move it), and memory is not
+  estimated (the planner's model holds one cell per device)."""
   json_out = tmp_path / 'model.json'
   out, _ = _Finish(_Start(
       'print_model', '--model=lm.synthetic.GPipeTransformerLmTiny', '--noshow_params',
@@ -298,7 +299,9 @@ def testPrintModelPlacesTwoCellsPerDevice(tmp_path, sched, devices):
   assert all(s['memory_mb'] is None for s in summary['stages'])
   assert f'4 cells on K=2 (v=2), M=2, {sched}' in out and 'No memory estimate' in out
   bubble = float(re.search(r'Bubble with FLOP-proportional stage costs: ([0-9.]+)', out)[1])
-  assert bubble == pytest.approx(schedule.Schedule(sched, 2, 2, 2).BubbleFraction(), abs=0.03)
+  expected = simulator.Simulate(simulator.Orders(sched, 2, 2, 2), 1.0, 2.0, input_grad_cost=2.0,
+                                weight_grad_cost=1.0).bubble_fraction
+  assert bubble == pytest.approx(expected, abs=0.03)
 
 
 def testPlanBalance(runs):

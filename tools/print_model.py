@@ -113,7 +113,8 @@ def Inspect(tf, pipe, spec, batch_size, source):
   plan = planner.Plan(source=source, layers=profiles, ends=list(ends),
                       num_micro_batches=num_micro,
                       schedule=pipe.schedule if pipe.virtual_stages == 1 else 'gpipe',
-                      remat=pipe.remat, optimizer_slots=FLAGS.optimizer_slots,
+                      remat=planner.ModeledRemat(pipe.schedule, pipe.remat),
+                      optimizer_slots=FLAGS.optimizer_slots,
                       remat_policy=pipe.cell_remat_policy)
   return rows, plan
 

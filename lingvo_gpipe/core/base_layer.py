@@ -73,22 +73,14 @@ def _CastsToFPropDtype(fprop):
   Only the layer's own trainable variables are cast: its children's theta is
   cast by the children when they run, so a gradient taken through the call (a
   pipeline's, an optimizer's) stays in the variables' dtype; non-trainable
-  state such as moving statistics keeps its precision. When the context
-  records layer calls (a pipeline chunk whose backward is split, layer_tapes.py),
-  the call runs through that recorder.
+  state such as moving statistics keeps its precision.
   """
-
-  def Cast(self, theta, *args, **kwargs):
-    if self.CAST_TO_FPROP_DTYPE:
-      theta, args, kwargs = self.CastToFPropDtype(theta, args, kwargs)
-    return fprop(self, theta, *args, **kwargs)
 
   @functools.wraps(fprop)
   def FProp(self, theta, *args, **kwargs):
-    tapes = py_utils.CurrentContext().layer_tapes
-    if tapes is None:
-      return Cast(self, theta, *args, **kwargs)
-    return tapes.Run(functools.partial(Cast, self), theta, *args, **kwargs)
+    if self.CAST_TO_FPROP_DTYPE:
+      theta, args, kwargs = self.CastToFPropDtype(theta, args, kwargs)
+    return fprop(self, theta, *args, **kwargs)
 
   FProp.casts_to_fprop_dtype = True
   return FProp

@@ -1,33 +1,35 @@
 """The pipeline executor: runs a schedule's actions (schedule.py) one by one.
 
-One pass of a PipeliningLayer keeps, per replica, a `Pass`: the boundary
-activations waiting for their chunk, forward tapes of micro-batches that are
-not re-materialized, output gradients waiting for their backward, what a
-pending weight gradient W needs, and the token of each chunk's last add to its
-running sum of weight gradients (a GradientSum, added to in place). Each action
-kind has one code path:
+The executor is Python that runs once, while the step is traced: it emits
+each action's ops in the schedule's order, and from then on only the graph
+runs. Each action is one call of a function of its chunk (`CellFunctions`),
+traced once per chunk and kind, so a step's graph is a thin list of calls
+whatever M is. One pass of a PipeliningLayer keeps, per replica, a `Pass`: the
+boundary activations waiting for their chunk, forward tapes of micro-batches
+that are not re-materialized, output gradients waiting for their backward,
+what a pending W needs, and the token of each chunk's last add to its running
+sum of weight gradients (a GradientSum, added to in place). Each action kind
+has one code path:
 
-  F(m, c)   chunk c's forward on micro-batch m, handed to chunk c+1;
+  F(m, c)   chunk c's forward on micro-batch m, handed to chunk c+1; without
+            remat under a tape, which keeps what the call's backward needs;
   L(m)      the loss of micro-batch m (or of the whole batch) and its gradient,
             computed by the caller's `on_loss`;
-  BW(m, c)  the recompute (with remat) and both gradients in one function call,
+  BW(m, c)  both gradients, from the forward's tape or a call that recomputes,
             the weight gradient added to the chunk's sum at once;
-  B(m, c)   the input gradient only, what the chunk before waits for, and the
-            gradients of every layer call's outputs, from one walk back through
-            the chunk (layer_tapes.py); the recompute runs here once and...
-  W(m, c)   ...the weight gradients are taken layer call by layer call from
-            what B left: re-materialization stays one recompute per micro-batch
-            chunk, and the chain of activation gradients is walked once.
+  B(m, c)   a call that recomputes the chunk and takes the input gradient, what
+            the chunk before waits for, and what W needs: the gradients of the
+            ops that read the weights and those ops' other inputs, as tensors
+            (weight_grads.py); the chain of activation gradients is walked once;
+  W(m, c)   a call that takes the weight gradients from what B handed over.
 
-In graphs, each action waits (control dependencies) for the previous action
-of the same device, so TensorFlow runs the order the schedule prints and
-cannot run ahead and hold more activations than the schedule says. A forward
-and a fused backward are each one call of a per-chunk function (`CellFunctions`),
-which keeps graphs small; B and W are inline, because the tape that W reuses
-cannot leave a function. With R replicas (`Replicas`) every replica runs the
-same actions on 1/R of the batch and their weight gradients are summed. Parts of
-a batch that R or M does not divide differ by a row (microbatch.Split); each
-micro-batch's random ops and statistics use its own offset and size.
+In graphs, each action's call waits (control dependencies) for the previous
+action of the same device, so TensorFlow runs the order the schedule prints and
+cannot run ahead and hold more activations than the schedule says. With R
+replicas (`Replicas`) every replica runs the same actions on 1/R of the batch
+and their weight gradients are summed. Parts of a batch that R or M does not
+divide differ by a row (microbatch.Split); each micro-batch's random ops and
+statistics use its own offset and size.
 """
 
 import contextlib

@@ -116,7 +116,8 @@ class PipeliningLayer(base_layer.BaseLayer):
              'Place cells round-robin when there are fewer devices than cells.')
     p.Define('remat', 'always',
              "Re-materialization: 'always', 'except_last' (the last micro-batch keeps its "
-             "activations) or 'never'.")
+             "activations) or 'never'. A backward split into B and W (zero-bubble schedules) "
+             "recomputes its chunk in B whatever this says: its forward keeps only its input.")
     p.Define('cell_remat_policy', remat_lib.NONE,
              "Re-materialization inside each cell (core/remat.py), set as each cell's "
              "remat_policy: 'none', 'every_layer', 'every_N' (e.g. 'every_2'), or layer names "

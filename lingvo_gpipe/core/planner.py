@@ -21,7 +21,7 @@
    split minimising the slowest stage among those whose every stage fits the
    cap (then the most even one, as partition.Balance does), and the simulator
    predicts its step (a split B takes half the backward and the recompute, W
-   the other half: see core/layer_tapes.py).
+   the other half: see core/weight_grads.py).
    ChoosePlan also picks M, the schedule, remat and the remat policy: the
    candidate with the best predicted step time that fits, next to the others
    and why they lost.
@@ -92,6 +92,12 @@ def _Prefix(values):
   return np.concatenate([[0.0], np.cumsum(np.asarray(values, np.float64))])
 
 
+def ModeledRemat(schedule, remat):
+  """The remat a pipeline of `schedule` runs: a split backward's B recomputes its chunk
+  whatever remat says (executor.py), its forward keeping only its input, as with 'always'."""
+  return 'always' if schedule in schedule_lib.SPLIT_SCHEDULES else remat
+
+
 class _StageModel:
   """Time and memory of a stage holding layers j..i-1, vectorized over j."""
 
@@ -127,8 +133,8 @@ class _StageModel:
     return self.Backward(j, i) - (self._backward[i] - self._backward[j]) / 2
 
   def WeightGrad(self, j, i):
-    """A split W: the other half of the backward, taken layer call by layer call from what
-    B left (core/layer_tapes.py; measured: B + W = 1.0 x BW)."""
+    """A split W: the other half of the backward, taken from the tensors B handed over
+    (core/weight_grads.py)."""
     return (self._backward[i] - self._backward[j]) / 2 + self._overhead
 
   def Time(self, j, i):
@@ -245,7 +251,8 @@ def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='a
             'sharing a stage with the layer before)')
     raise ValueError(f'Cannot split {len(profiles)} layers{kept} into {num_stages} stages: '
                      f'expected at most {len(units)} stages.')
-  model = _StageModel(units, _Held(schedule, num_stages, num_micro_batches), remat,
+  model = _StageModel(units, _Held(schedule, num_stages, num_micro_batches),
+                      ModeledRemat(schedule, remat),
                       optimizer_slots, remat_policy, action_overhead_s)
   cap = np.inf if memory_cap_bytes is None else float(memory_cap_bytes)
   ends = _Ends(units, num_stages, model, cap)
@@ -289,8 +296,8 @@ class Plan:
   def _Model(self):
     return _StageModel(self.layers, _Held(self.schedule, self.num_stages,
                                           self.num_micro_batches),
-                       self.remat, self.optimizer_slots, self.remat_policy,
-                       self.action_overhead_s)
+                       ModeledRemat(self.schedule, self.remat), self.optimizer_slots,
+                       self.remat_policy, self.action_overhead_s)
 
   def _Bounds(self):
     return list(zip([0] + self.ends[:-1], self.ends))

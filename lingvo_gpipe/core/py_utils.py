@@ -231,15 +231,12 @@ class FPropContext:
     at once; the pipeline sets it so recomputed forwards update nothing twice.
   step_stats: a list that pipelines append one timing record per schedule step
     to (opt-in measurement), or None not to measure.
-  layer_tapes: a layer_tapes.LayerTapes that every BaseLayer call runs through
-    (a forward whose backward is split into B and W), or None.
   """
   training: bool = True
   step: object = None
   batch_slice: object = None
   updates: object = None
   step_stats: object = None
-  layer_tapes: object = None
 
 
 @dataclasses.dataclass(frozen=True)

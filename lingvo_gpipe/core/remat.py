@@ -173,9 +173,7 @@ def _Recomputed(fn, theta, args):
     layer_args = list(flat_args)
     for i, x in zip(arg_pos, tensors[len(flat_theta):]):
       layer_args[i] = x
-    # Inside a segment, layer calls are not recorded one by one: the segment is one
-    # op of its caller's (layer_tapes.py), whose gradient recomputes it.
-    with py_utils.Context(**_ContextFields(context, updates=updates, layer_tapes=None)):
+    with py_utils.Context(**_ContextFields(context, updates=updates)):
       out = fn(tf.nest.pack_sequence_as(theta, tensors[:len(flat_theta)]),
                tf.nest.pack_sequence_as(args, layer_args))
     return out, [x for x in tf.nest.flatten(out) if _IsFloat(x)]

@@ -314,6 +314,8 @@ _VIRTUAL_STAGES = {'gpipe': 1, '1f1b': 1, 'interleaved_1f1b': None, 'zb_h1': 1, 
 SCHEDULE_NAMES = tuple(_VIRTUAL_STAGES)
 # Schedules of one chunk per device: what a balance plan's stages (core/planner.py) run.
 ONE_CHUNK_SCHEDULES = tuple(name for name, v in _VIRTUAL_STAGES.items() if v == 1)
+# Schedules that split each backward into B and W (and so recompute each chunk in B).
+SPLIT_SCHEDULES = ('zb_h1', 'zb_h2', 'zbv')
 # Schedules whose loss is the whole batch's (the others call it per micro-batch).
 WHOLE_BATCH_LOSS = ('gpipe',)
 
