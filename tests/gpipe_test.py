@@ -246,7 +246,7 @@ def testEagerStepsTraceEachCellFunctionOnce(sched, caplog):
   functions = [f for cell in pipe.cell_functions[0] for f in vars(cell).values()
                if isinstance(f, tf.types.experimental.PolymorphicFunction)]
   counts = [f.experimental_get_tracing_count() for f in functions]
-  # Split B and W run inline: a zero-bubble pipe never calls the fused backward's functions.
+  # A zero-bubble pipe never calls the fused backward's functions, nor a 1F1B one B's.
   assert counts and set(counts) - {0} == {1}, counts
 
 
@@ -278,6 +278,37 @@ def testInsideTfFunction(k, m, sched):
     by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), grads)}
     grads = [by_name[v.name] for v in pipe.trainable_variables]
   _AssertGradsClose(grads, ref_grads)
+
+
+@pytest.mark.parametrize('sched', ['1f1b', 'zb_h1'])
+def testStepsTracedApartReuseTheChunksFunctions(sched):
+  """Each action is a call of a function of its chunk, traced once per chunk and kind (and
+  per training flag): a second step function, an eval pass and more calls trace no chunk
+  function again, and each step function once."""
+  pipe = _Pipe(2, 4, 'always', sched)
+  executor.CreateGradientSums(pipe)
+  steps = [tf.function(lambda x: pipe.ForwardBackward(pipe.theta, x, _Loss)[0])
+           for _ in range(2)]
+
+  @tf.function
+  def Evaluate(x):
+    with py_utils.EvalMode():
+      return pipe(x)
+
+  for seed in (1, 2):
+    for step in steps:
+      step(_Input(seed))
+    Evaluate(_Input(seed))
+  assert [s.experimental_get_tracing_count() for s in steps] == [1, 1]
+  assert Evaluate.experimental_get_tracing_count() == 1
+  counts = {name: f.experimental_get_tracing_count()
+            for c, cell in enumerate(pipe.cell_functions[0]) for name, f in
+            ((f'{c}{n}', f) for n, f in vars(cell).items())
+            if isinstance(f, tf.types.experimental.PolymorphicFunction)}
+  used = {n: k for n, k in counts.items() if k}
+  # The forwards twice, training and evaluating; the others once.
+  assert used == {n: 2 if n.endswith('_forward') else 1 for n in used}, used
+  assert sum(n.endswith('_forward') for n in used) == pipe.num_chunks
 
 
 @pytest.mark.parametrize('sched', ['gpipe', 'zb_h1'])
