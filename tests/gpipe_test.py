@@ -296,8 +296,9 @@ def testStepsTracedApartReuseTheChunksFunctions(sched):
       return pipe(x)
 
   for seed in (1, 2):
-    for step in steps:
-      step(_Input(seed))
+    with py_utils.Context(step=tf.constant(seed, tf.int64)):  # As the trainer gives one.
+      for step in steps:
+        step(_Input(seed))
     Evaluate(_Input(seed))
   assert [s.experimental_get_tracing_count() for s in steps] == [1, 1]
   assert Evaluate.experimental_get_tracing_count() == 1

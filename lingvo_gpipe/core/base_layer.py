@@ -55,16 +55,12 @@ class _CallCounter:
   def __init__(self):
     self._var = None
 
-  def Variable(self):
-    """The count's variable, made now if it was not yet."""
+  def Next(self):
+    """The number of earlier calls, as a tensor; counts this call."""
     if self._var is None:
       with tf.init_scope():
         self._var = tf.Variable(0, dtype=tf.int64, trainable=False, name='call_count')
-    return self._var
-
-  def Next(self):
-    """The number of earlier calls, as a tensor; counts this call."""
-    return self.Variable().assign_add(1) - 1
+    return self._var.assign_add(1) - 1
 
 
 def _CastsToFPropDtype(fprop):

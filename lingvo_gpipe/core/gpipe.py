@@ -173,9 +173,6 @@ class PipeliningLayer(base_layer.BaseLayer):
     self._cell_functions = [[executor.CellFunctions(self, c, device, r) for c, device in
                              enumerate(self.ReplicaDevices(r))] for r in range(p.num_replicas)]
     self._clocks = executor.DeviceClocks(self._devices[:self.num_stages], self.path)
-    # A user's own loop counts its steps here (TrainingStep): made by a step's trace, the
-    # variable would make tf.function trace the step twice.
-    self._call_count.Variable()
     self._loss_verdicts = metrics_lib.LossVerdicts()  # A loss is probed once per signature.
 
   @property
