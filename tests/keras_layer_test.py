@@ -223,9 +223,9 @@ def testJitCompiledCells():
 @pytest.mark.parametrize('sched', ['zb_h1', 'zb_h2'])
 def testSplitBackwardOfAKerasLayerThatChainsWeightsWalksNoChainAgain(sched):
   """A zero-bubble W of a Keras layer with several weights in one call (a Sequential of two
-  Dense) runs only the weight gradients' matmuls: a step costs the plain model's matmuls
-  per micro-batch, and gives the plain model's gradients."""
-  from gpipe_test import _MatMulsRun  # pylint: disable=g-import-not-at-top
+  Dense) runs only the weight gradients' matmuls, B at most a recompute and one walk of the
+  activation chain, and the step gives the plain model's gradients."""
+  from gpipe_test import _FunctionMatMuls  # pylint: disable=g-import-not-at-top
   block = keras_layer.KerasLayer.Params().Set(layer=lambda: keras.Sequential(
       [keras.layers.Dense(16, activation='relu'), keras.layers.Dense(8)]), input_shape=[8])
   pipe = _Pipe([block.Copy().Set(name=f'block{i}') for i in range(4)], num_stages=2,
@@ -246,10 +246,14 @@ def testSplitBackwardOfAKerasLayerThatChainsWeightsWalksNoChainAgain(sched):
   def Step(x):
     return pipe.ForwardBackward(pipe.theta, x, Loss)
 
-  spec = tf.TensorSpec([8, 8])
-  plain = _MatMulsRun(Plain.get_concrete_function(spec).graph)
-  assert plain == 4 * 2 + 4 * 4 - 1  # Forward 2 per block, backward 4 but the input's.
-  assert _MatMulsRun(Step.get_concrete_function(spec).graph) == 2 * plain
+  graph = Step.get_concrete_function(tf.TensorSpec([8, 8])).graph
+  assert all(fn.splits for fn in pipe.cell_functions[0])
+  blocks_per_chunk = 2
+  weights = _FunctionMatMuls(graph, '_WeightGrad')
+  assert len(weights) == 2 and set(weights.values()) == {2 * blocks_per_chunk}, weights
+  inputs = _FunctionMatMuls(graph, '_InputGrad')
+  # At most the forward again and the activation chain: 2 matmuls per block each.
+  assert len(inputs) == 2 and max(inputs.values()) <= 4 * blocks_per_chunk, inputs
   x = _Input([8, 8])
   (loss, grads), (ref_loss, ref_grads) = Step(x), Plain(x)
   np.testing.assert_allclose(loss.numpy(), ref_loss.numpy(), rtol=1e-5)
