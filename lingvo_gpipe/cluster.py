@@ -148,8 +148,9 @@ def _PortInUse(port):
 def StartServer(spec, job, task, config=None):
   """Starts this process's server as task `task` of `job`; returns the tf.distribute.Server.
 
-  The server listens on all interfaces at its address's port (TensorFlow's
-  gRPC server binds 0.0.0.0).
+  TensorFlow's gRPC server listens on every interface at the address's port
+  (its C++ binds 0.0.0.0 and [::]; no API binds another address) and
+  authenticates no one: the start line says so (README: Security).
   """
   if job not in spec:
     raise ClusterError(f'The cluster spec has no {job!r} job: {spec}.')
@@ -157,15 +158,28 @@ def StartServer(spec, job, task, config=None):
     raise ClusterError(f'Task {task} is not in the {len(spec[job])} task(s) of job {job!r}: '
                        f'{spec[job]}.')
   address = spec[job][task]
+  port = int(address.rpartition(':')[2])
   try:
     server = tf.distribute.Server(tf.train.ClusterSpec(spec), job_name=job, task_index=task,
                                   config=config, start=True)
   except tf.errors.OpError as e:
-    port = int(address.rpartition(':')[2])
     reason = f'port {port} is in use' if _PortInUse(port) else e.message
     raise ClusterError(f'Cannot start {job} task {task} at {address}: {reason}.') from None
-  logging.info('%s task %d serving at %s (%s).', job, task, address, server.target)
+  logging.warning('%s task %d (%s in the cluster spec) listens on port %d of %s, '
+                  'unauthenticated: whoever reaches the port can run any op as this user, '
+                  'reading and writing its files (README: Security).', job, task, address, port,
+                  ListeningInterfaces())
   return server
+
+
+def ListeningInterfaces():
+  """Where a server that binds 0.0.0.0 is reached, in words: every interface, or only
+  loopback in a network namespace that has no other (tools/local_cluster.py
+  --private_network)."""
+  names = [name for _, name in socket.if_nameindex()]
+  if names == ['lo']:
+    return 'loopback only (this network namespace has no other interface)'
+  return f'every interface ({", ".join(names)})'
 
 
 # -- health ------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ Mistakes a user can make are one line on stderr and exit code 1.
 
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import signal
@@ -147,6 +148,19 @@ flags.DEFINE_integer('pipeline_stats_every', 0,
                      '<logdir>/train/pipeline_trace_<step>.json. 0: off (no timing ops).')
 
 # -- flags -> configuration ------------------------------------------------------------
+
+
+def _CheckNumberFlags():
+  """Raises UserError naming a number flag the command line set to NaN, an infinity or an
+  integer beyond 64 bits: no timeout, tolerance or count means that."""
+  for name in FLAGS:
+    flag = FLAGS[name]
+    if not flag.present or flag.value is None or flag.flag_type() not in ('int', 'float'):
+      continue
+    if flag.flag_type() == 'float' and not math.isfinite(flag.value):
+      raise base_runner.UserError(f'--{name} must be a finite number, got {flag.value}.')
+    if flag.flag_type() == 'int' and not -2**63 <= flag.value < 2**63:
+      raise base_runner.UserError(f'--{name}={flag.value} is beyond the 64-bit integer range.')
 
 
 def _CheckFlagsAtLeast(minimum, *names):
@@ -592,6 +606,7 @@ def _ListModels():
 
 
 def _Run():
+  _CheckNumberFlags()
   if FLAGS.pipeline_stats_every and (FLAGS.mode != 'sync' or
                                      FLAGS.job not in ('controller,trainer', 'trainer_client')):
     raise base_runner.UserError(

@@ -286,6 +286,56 @@ def testLocalClusterToolPrintsTheSpecAndStopsItsWorkersOnSigterm(tmp_path):
     tool.kill()
 
 
+_PRIVATE_CLIENT = """
+import os, sys, time
+from lingvo_gpipe import cluster
+spec_text = sys.argv[-1].split('=', 1)[1]
+assert not cluster.UnansweredWorkers(cluster.ParseClusterSpec(spec_text)['worker'], 5.0)
+open(os.path.join(sys.argv[1], 'inside.partial'), 'w').write(spec_text)
+os.rename(os.path.join(sys.argv[1], 'inside.partial'), os.path.join(sys.argv[1], 'inside'))
+deadline = time.time() + 60
+while not os.path.exists(os.path.join(sys.argv[1], 'done')) and time.time() < deadline:
+  time.sleep(0.1)
+sys.exit(7)
+"""
+
+
+def testAPrivateNetworkKeepsTheWorkersFromEveryoneOutsideIt(tmp_path):
+  """--private_network: the command after `--` reaches the workers, this process (outside
+  their network namespace) cannot, the workers' start line says loopback only, and the
+  tool exits with the command's code."""
+  if subprocess.run(['unshare', '--user', '--map-root-user', '--net', 'true'],
+                    capture_output=True, check=False).returncode:
+    pytest.skip('this machine allows no unprivileged user and network namespaces')
+  tool = subprocess.Popen(
+      [sys.executable, os.path.join(_ROOT, 'tools', 'local_cluster.py'), '--num_workers=2',
+       '--private_network', f'--worker_log_dir={tmp_path}', '--', sys.executable, '-c',
+       _PRIVATE_CLIENT, str(tmp_path)], env=_Env(), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 120
+    while not (tmp_path / 'inside').exists() and tool.poll() is None and time.time() < deadline:
+      time.sleep(0.2)
+    addresses = cluster_lib.ParseClusterSpec((tmp_path / 'inside').read_text())['worker']
+    for address in addresses:
+      with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(('127.0.0.1', int(address.rpartition(':')[2])), timeout=5)
+    (tmp_path / 'done').write_text('')
+    code, err = _Finish(tool, timeout=60)
+    assert code == 7, err
+  finally:
+    tool.kill()
+  log = (tmp_path / 'worker0.log').read_text()
+  assert 'listens on port' in log and 'of loopback only' in log and 'unauthenticated' in log
+
+
+def testAPrivateNetworkNeedsACommand():
+  code, err = _Finish(subprocess.Popen(
+      [sys.executable, os.path.join(_ROOT, 'tools', 'local_cluster.py'), '--private_network'],
+      env=_Env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), timeout=60)
+  assert code == 1 and 'give the command that uses the workers after `--`' in err
+
+
 # -- pipelines on workers ----------------------------------------------------------------
 
 

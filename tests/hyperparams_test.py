@@ -1,5 +1,8 @@
 """Tests of lingvo_gpipe.core.hyperparams."""
 
+import re
+import sys
+
 import pytest
 import tensorflow as tf
 
@@ -258,3 +261,62 @@ def testInstantiableParams():
   assert isinstance(foo, Foo) and foo.params.x == 1 and p.cls is Foo
   with pytest.raises(ValueError, match='cls is None'):
     hyperparams.InstantiableParams().Instantiate()
+
+
+def testAClassValuedParamTakesOnlyAClassOfItsKind():
+  """`op.cls : os.system` would call os.system(params) at Instantiate: a class-valued param
+  takes only a class that shares its Lingvo root class (here _Op, which defines Params)."""
+  outer = hyperparams.Params()
+  outer.Define('op', _Adder.Params(), 'The op.')
+  for value, why in (('os.system', "'os.system' is not a class of kind _Op"),
+                     ('collections.OrderedDict', "is not a class of kind _Op"),
+                     (f'{__name__}._Thing', 'is not a class of kind _Op')):
+    with pytest.raises(ValueError, match=why):
+      outer.FromText(f'op.cls : {value}')
+  assert outer.op.cls is _Adder
+
+
+def testATextNeverRunsAModuleTheProgramDidNotImport(tmp_path, monkeypatch):
+  """A name whose top-level module is not imported (a file in the working directory) is
+  refused, unrun; a submodule of an imported package is imported only for a class."""
+  ran = tmp_path / 'ran'
+  package = tmp_path / 'probe_pkg'
+  package.mkdir()
+  (package / '__init__.py').write_text('')
+  side_effect = f'open({str(ran)!r}, "a").write("x")\n'
+  (package / 'side.py').write_text(side_effect + 'def F():\n  pass\nclass C:\n  pass\n')
+  (tmp_path / 'stray.py').write_text(side_effect + 'class C:\n  pass\n')
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.chdir(tmp_path)
+  import probe_pkg  # pylint: disable=g-import-not-at-top,import-outside-toplevel,unused-import
+  monkeypatch.delitem(sys.modules, 'probe_pkg.side', raising=False)
+  p = hyperparams.Params()
+  p.Define('cls', _Thing, 'A class.')
+  p.Define('fn', len, 'A function.')
+  with pytest.raises(ValueError, match="module 'stray' is not imported"):
+    p.FromText('cls : stray.C')
+  with pytest.raises(ValueError, match="'probe_pkg' has no 'side'"):
+    p.FromText('fn : probe_pkg.side.F')
+  assert not ran.exists() and 'stray' not in sys.modules
+  p.FromText('cls : probe_pkg.side.C')
+  assert p.cls.__name__ == 'C' and ran.read_text() == 'x'
+  monkeypatch.delitem(sys.modules, 'probe_pkg.side')
+
+
+@pytest.mark.parametrize('line, why', [
+    ('inner : None', "'inner' is a group of params, not a value: set its keys"),
+    ('inner : 5', "'inner' is a group of params"),
+    ('steps : os.sep', "'os.sep' names an object, and the value is a int"),
+    ('steps : 99999999999999999999', 'out of the 64-bit integer range'),
+    ('steps : -9223372036854775809', 'out of the 64-bit integer range'),
+    ('lr : ' + '-' * 5000 + '1', 'nested too deeply'),
+    ('lr : ' + '[' * 5000, 'cannot parse'),
+])
+def testFromTextRefusesValuesThatMakeNoSenseInOneError(line, why):
+  with pytest.raises(ValueError, match=re.escape(why)):
+    _Nested().FromText(line)
+
+
+def testAnInt64StillParses():
+  p = _Nested().FromText('steps : 9223372036854775807')
+  assert p.steps == 2**63 - 1

@@ -8,6 +8,16 @@ r"""Starts N TensorFlow worker processes on free loopback ports and prints the c
 A script runs it in the background with --spec_file=/tmp/spec.txt and waits for
 that file, which appears once every worker answers (README: a 2-process run).
 
+TensorFlow's workers listen on every interface, unauthenticated (README:
+Security). --private_network closes that door: the workers and a command given
+after `--` run in a network namespace of their own that has only loopback
+(`unshare --user --net`, no root needed), the command gets --cluster_spec, and
+the tool exits with its exit code once the workers are stopped:
+
+  python tools/local_cluster.py --num_workers=2 --private_network -- \
+      python -m lingvo_gpipe.trainer --job=trainer_client \
+      --model=lm.synthetic.GPipeTransformerLmTiny --logdir=/tmp/lm
+
 Each worker is `python -m lingvo_gpipe.trainer --job=worker` in its own process
 group, optionally pinned to a core (--cpus, with taskset) and given a number of
 threads. Ctrl-C, SIGTERM, SIGHUP or a worker that exits stops them all. Tests
@@ -15,14 +25,17 @@ and tools use LocalCluster, a context manager that stops its workers however
 the block ends.
 """
 
+import fcntl
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 
+from absl import app
 from absl import flags
 
 from lingvo_gpipe import binaries
@@ -183,6 +196,9 @@ def _DefineFlags():
                       'Also write the spec to this file once every worker answers (whole, by '
                       'a rename), and remove it when the workers stop: a script waits for the '
                       'file.')
+  flags.DEFINE_boolean('private_network', False,
+                       'Run the workers and the command after `--` in a network namespace of '
+                       'their own with only loopback: nothing outside reaches the workers.')
 
 
 def _Stop(signum, unused_frame):
@@ -197,8 +213,47 @@ def _WriteWhole(path, text):
   os.replace(partial, path)
 
 
+def _EnterPrivateNetwork():
+  """Re-runs this tool in a new user and network namespace, unless it runs in one that has
+  only loopback already (then brings loopback up)."""
+  if [name for _, name in socket.if_nameindex()] == ['lo']:
+    _BringUpLoopback()
+    return
+  probe = subprocess.run(['unshare', '--user', '--map-root-user', '--net', 'true'],
+                         capture_output=True, text=True, check=False)
+  if probe.returncode:
+    sys.exit('local_cluster: --private_network needs unprivileged user and network '
+             f'namespaces (unshare --user --net): {probe.stderr.strip()}')
+  os.execvp('unshare', ['unshare', '--user', '--map-root-user', '--net', sys.executable,
+                        *sys.argv])
+
+
+def _BringUpLoopback():
+  """Sets the loopback interface up (a new network namespace starts with it down)."""
+  siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+  with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    request = struct.pack('16sh22x', b'lo', 0)
+    current = struct.unpack('16sh22x', fcntl.ioctl(s, siocgifflags, request))[1]
+    fcntl.ioctl(s, siocsifflags, struct.pack('16sh22x', b'lo', current | iff_up))
+
+
+def _Serve(cluster):
+  """Serves until a signal or a worker exits."""
+  print(cluster.spec_text, flush=True)
+  print(f'Worker logs: {cluster.LogPath(0)} ...; Ctrl-C stops the workers.', file=sys.stderr,
+        flush=True)
+  while not cluster.Exited():
+    time.sleep(0.5)
+  sys.exit(f'Worker(s) exited: {cluster.Exited()}; stopping the others.')
+
+
 def main(argv):
-  del argv
+  command = argv[1:]
+  if FLAGS.private_network and not command:
+    raise app.UsageError('--private_network: give the command that uses the workers after '
+                         '`--`; nothing outside the private network reaches them.')
+  if FLAGS.private_network:
+    _EnterPrivateNetwork()
   for signum in (signal.SIGTERM, signal.SIGHUP):
     signal.signal(signum, _Stop)
   cpus = [int(c) for c in FLAGS.cpus] if FLAGS.cpus else None
@@ -206,16 +261,14 @@ def main(argv):
                     FLAGS.worker_log_dir) as cluster:
     if FLAGS.spec_file:
       _WriteWhole(FLAGS.spec_file, cluster.spec_text + '\n')
-    print(cluster.spec_text, flush=True)
-    print(f'Worker logs: {cluster.LogPath(0)} ...; Ctrl-C stops the workers.', file=sys.stderr,
-          flush=True)
     try:
-      while not cluster.Exited():
-        time.sleep(0.5)
-      sys.exit(f'Worker(s) exited: {cluster.Exited()}; stopping the others.')
+      if not command:
+        _Serve(cluster)
+      code = subprocess.call(command + [f'--cluster_spec={cluster.spec_text}'])
     finally:
       if FLAGS.spec_file:
         os.remove(FLAGS.spec_file)
+  sys.exit(code)
 
 
 if __name__ == '__main__':

@@ -113,7 +113,8 @@ class BaseLayer(tf.Module):
     p.Define('fprop_dtype', None,
              'Dtype of activations; None inherits the parent\'s, else `dtype`.')
     p.Define('random_seed', None,
-             'Seed of initial values and random ops; None inherits the parent\'s (0 at the top).')
+             'Seed of initial values and random ops; None inherits the parent\'s (0 at the top).',
+             kinds=(int,))
     p.Define('params_init', _DEFAULT_PARAMS_INIT.Copy(),
              "Initializer of variables whose WeightParams name none; left at this default, "
              "the parent's.")

@@ -11,6 +11,7 @@ import difflib
 import importlib
 import inspect
 import re
+import sys
 
 _NAME_RE = re.compile(r'^[a-z_][a-z0-9_]*$')
 # One path component of a dotted key: `name` or `name[3]`.
@@ -363,34 +364,64 @@ def _IsDType(value):
   return type(value).__name__ == 'DType' and hasattr(value, 'as_numpy_dtype')
 
 
-def _Resolve(dotted):
-  """Imports 'pkg.mod.Class.attr' (and 'tf.float32') to the object it names."""
+def _Resolve(dotted, may_import):
+  """The object 'pkg.mod.Class.attr' (or 'tf.float32') names, found in the modules this
+  program has imported; a text never runs a new top-level module (a file in the working
+  directory), and imports a submodule of an imported package only if `may_import`."""
   parts = dotted.split('.')
   if parts[0] == 'tf':
     parts[0] = 'tensorflow'
-  for cut in range(len(parts), 0, -1):
-    try:
-      obj = importlib.import_module('.'.join(parts[:cut]))
-    except ImportError:
-      continue
-    for attr in parts[cut:]:
-      obj = getattr(obj, attr)
-    return obj
-  raise ImportError(f'cannot import {dotted!r}')
+  if parts[0] not in sys.modules:
+    raise ValueError(f'module {parts[0]!r} is not imported: a params text names classes, '
+                     'functions and dtypes of modules the program has imported')
+  obj = sys.modules[parts[0]]
+  for i, attr in enumerate(parts[1:], 2):
+    name = '.'.join(parts[:i])
+    if inspect.ismodule(obj) and not hasattr(obj, attr):
+      if may_import and name not in sys.modules:
+        try:
+          importlib.import_module(name)
+        except ImportError:
+          pass
+      if name in sys.modules:
+        obj = sys.modules[name]
+        continue
+    if not hasattr(obj, attr):
+      raise ValueError(f'{".".join(parts[:i - 1])!r} has no {attr!r}')
+    obj = getattr(obj, attr)
+  return obj
 
 
-def _EvalNode(node):
-  """A safe evaluator for literal text plus dotted names of importable objects."""
+def _LingvoRoot(cls):
+  """The most basic class of `cls` that defines Params (BaseLayer, BaseInputGenerator, ...):
+  the kind a class-valued param keeps; object for other classes."""
+  return next((c for c in reversed(cls.__mro__) if 'Params' in vars(c)), object)
+
+
+def _CheckNameFor(value, current, kinds, dotted):
+  """Refuses a named object that is not of the kind the param holds: a class for a class
+  (of the same Lingvo kind), a function for a function, a dtype for a dtype."""
+  if isinstance(current, type) or (kinds and type in kinds):
+    root = _LingvoRoot(current) if isinstance(current, type) else object
+    if not (isinstance(value, type) and issubclass(value, root)):
+      raise ValueError(f'{dotted!r} is not a class of kind {root.__name__}')
+  elif _IsDType(current) and not _IsDType(value):
+    raise ValueError(f'{dotted!r} is not a dtype')
+  elif callable(current) and (isinstance(value, type) or not callable(value)):
+    raise ValueError(f'{dotted!r} is not a function')
+
+def _EvalNode(node, resolve):
+  """A safe evaluator for literal text plus dotted names, which resolve(dotted) looks up."""
   if isinstance(node, ast.Constant):
     return node.value
   if isinstance(node, ast.List):
-    return [_EvalNode(e) for e in node.elts]
+    return [_EvalNode(e, resolve) for e in node.elts]
   if isinstance(node, ast.Tuple):
-    return tuple(_EvalNode(e) for e in node.elts)
+    return tuple(_EvalNode(e, resolve) for e in node.elts)
   if isinstance(node, ast.Dict):
-    return {_EvalNode(k): _EvalNode(v) for k, v in zip(node.keys, node.values)}
+    return {_EvalNode(k, resolve): _EvalNode(v, resolve) for k, v in zip(node.keys, node.values)}
   if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-    operand = _EvalNode(node.operand)
+    operand = _EvalNode(node.operand, resolve)
     if isinstance(operand, (int, float)) and not isinstance(operand, bool):
       return -operand if isinstance(node.op, ast.USub) else operand
   if isinstance(node, ast.Name):
@@ -402,7 +433,7 @@ def _EvalNode(node):
     raise ValueError(f'bare word {node.id!r}: quote a string, or name a class or dtype by its '
                      "module ('tf.float32', 'lingvo_gpipe.core.layers.ProjectionLayer')")
   if isinstance(node, ast.Attribute):
-    value = _Resolve(ast.unparse(node))
+    value = resolve(ast.unparse(node))
     if inspect.ismodule(value):
       raise ValueError(f'{ast.unparse(node)!r} is a module; expected a class, function or '
                        'dtype in it')
@@ -417,17 +448,21 @@ def ParseValue(text, current, key='value', kinds=None):
   def Fail(why):
     return ValueError(f'Params key {key!r}: cannot parse {text!r} as {expected} ({why}).')
 
+  if isinstance(current, Params):
+    raise ValueError(f'Params key {key!r} is a group of params, not a value: set its keys '
+                     f'({key}.<name> : value), not {key} : {text}.')
   quoted = text[:1] in ('"', "'") and text[-1:] == text[:1]
+  resolve = _Resolver(current, kinds)
   if kinds:
     try:
-      return _OfKinds(_Eval(text, Fail), kinds, Fail)
+      return _CheckInt(_OfKinds(_Eval(text, Fail, resolve), kinds, Fail), Fail)
     except ValueError:
       if str in kinds and not quoted:
         return text  # Unquoted strings are accepted as they are.
       raise
   if isinstance(current, str) and not quoted:
     return text
-  value = _Eval(text, Fail)
+  value = _CheckInt(_Eval(text, Fail, resolve), Fail)
   if current is None or value is None:
     return value
   if isinstance(current, bool):
@@ -445,12 +480,44 @@ def ParseValue(text, current, key='value', kinds=None):
   return value
 
 
-def _Eval(text, fail):
-  """The Python literal (or module attribute) `text` spells; fail(why) if none."""
+def _Resolver(current, kinds):
+  """resolve(dotted) for a param holding `current`: names are looked up (and submodules
+  imported) only for a class-valued param; numbers and strings take no names."""
+  takes_class = isinstance(current, type) or bool(kinds and type in kinds)
+  if isinstance(current, (bool, int, float, str)) and not kinds:
+    takes = False
+  else:
+    takes = takes_class or current is None or _IsDType(current) or callable(current) or (
+        isinstance(current, (list, tuple, dict)))
+
+  def Resolve(dotted):
+    if not takes:
+      raise ValueError(f'{dotted!r} names an object, and the value is a {type(current).__name__}')
+    value = _Resolve(dotted, may_import=takes_class)
+    _CheckNameFor(value, current, kinds, dotted)
+    return value
+
+  return Resolve
+
+
+_INT64_LIMIT = 2**63
+
+
+def _CheckInt(value, fail):
+  """`value`, unless it is an int no 64-bit integer holds (no TensorFlow op takes it)."""
+  if type(value) is int and not -_INT64_LIMIT <= value < _INT64_LIMIT:
+    raise fail('out of the 64-bit integer range')
+  return value
+
+
+def _Eval(text, fail, resolve):
+  """The Python literal (or named object) `text` spells; fail(why) if none."""
   try:
-    return _EvalNode(ast.parse(text, mode='eval').body)
-  except (SyntaxError, ValueError, ImportError, AttributeError) as e:
+    return _EvalNode(ast.parse(text, mode='eval').body, resolve)
+  except (SyntaxError, ValueError, AttributeError) as e:
     raise fail(e) from None
+  except (RecursionError, MemoryError):
+    raise fail('nested too deeply') from None
 
 
 def _OfKinds(value, kinds, fail):
