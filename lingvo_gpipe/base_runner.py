@@ -11,6 +11,7 @@ static batch size from batch `start_batch` on. A resumed trainer passes its
 global step, so training continues with the batches it has not seen.
 """
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -33,6 +34,18 @@ _OVERRIDE_SEPARATOR = re.compile(r""";(?=(?:[^'"]|'[^']*'|"[^"]*")*$)""")
 
 class UserError(Exception):
   """A mistake the user can fix; binaries print its message as one line and exit non-zero."""
+
+
+@contextlib.contextmanager
+def Writing(what):
+  """Turns an I/O error (a full disk, a lost permission) while writing `what` (a path, or
+  what is written where) into one UserError line naming it; what was written before stays."""
+  try:
+    yield
+  except (OSError, tf.errors.OpError) as e:
+    reason = str(getattr(e, 'strerror', None) or getattr(e, 'message', None) or e)
+    reason = re.sub(r'\{\{function_node [^}]*\}\}|\[Op:\w+\]', '', reason)  # TensorFlow's.
+    raise UserError(f'Cannot write {what}: {" ".join(reason.split())}') from None
 
 
 class NonFiniteError(UserError):
@@ -105,20 +118,34 @@ def ApplyBalanceFile(model_params, path, override='', train_batch_size=None):
 
 def InputDataset(input_params, start_batch=0):
   """The tf.data.Dataset of an experiment's input params (see the module doc)."""
-  if input_params is None:
-    raise UserError('The model params have no input params (model.input is None).')
-  try:
-    generator = input_params.Instantiate()
-  except ValueError as e:  # A bad config, e.g. from an override.
-    raise UserError(f'Cannot build the input generator: {e}') from None
-  if not hasattr(generator, 'GetDataset'):
-    raise UserError(f'Input generator {type(generator).__name__} has no GetDataset(start_batch) '
-                    'method returning a tf.data.Dataset.')
-  dataset = generator.GetDataset(start_batch=start_batch)
-  if not isinstance(dataset, tf.data.Dataset):
-    raise UserError(f'{type(generator).__name__}.GetDataset() returned {type(dataset).__name__}, '
-                    'not a tf.data.Dataset.')
-  return dataset
+  return InputGenerator(input_params).Dataset(start_batch)
+
+
+class InputGenerator:
+  """An experiment's input generator, built (and so checked) before its dataset is made:
+  a trainer refuses bad input params before it writes anything."""
+
+  def __init__(self, input_params):
+    if input_params is None:
+      raise UserError('The model params have no input params (model.input is None).')
+    try:
+      self._generator = input_params.Instantiate()
+    except ValueError as e:  # A bad config, e.g. from an override.
+      raise UserError(f'Cannot build the input generator: {e}') from None
+    if not hasattr(self._generator, 'GetDataset'):
+      raise UserError(f'Input generator {type(self._generator).__name__} has no '
+                      'GetDataset(start_batch) method returning a tf.data.Dataset.')
+
+  def Dataset(self, start_batch=0):
+    """The batches from batch `start_batch` on."""
+    try:
+      dataset = self._generator.GetDataset(start_batch=start_batch)
+    except ValueError as e:
+      raise UserError(f'Cannot build the input: {e}') from None
+    if not isinstance(dataset, tf.data.Dataset):
+      raise UserError(f'{type(self._generator).__name__}.GetDataset() returned '
+                      f'{type(dataset).__name__}, not a tf.data.Dataset.')
+    return dataset
 
 
 def BatchSize(element_spec):
@@ -136,10 +163,10 @@ _SCALAR_METADATA = tf.compat.v1.SummaryMetadata(
 
 def WriteScalars(writer, step, scalars):
   """Writes TensorBoard scalars name -> value at `step`."""
-  with writer.as_default(step=step):
+  with Writing('TensorBoard summaries'), writer.as_default(step=step):
     for name, value in scalars.items():
       tf.summary.write(name, tf.cast(value, tf.float32), metadata=_SCALAR_METADATA)
-  writer.flush()
+    writer.flush()
 
 
 def _Crossed(before, after, interval):

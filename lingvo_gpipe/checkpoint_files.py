@@ -3,7 +3,8 @@
 A save can be cut anywhere by kill -9 and files can be damaged afterwards, so
 the `checkpoint` state file is only written here, never trusted: checkpoints
 are found by listing ckpt-<step> files, and one is intact when every tensor
-reads back (TensorFlow checks each tensor's checksum).
+reads back (TensorFlow checks each tensor's checksum) and every float is
+finite: a checkpoint with a NaN weight counts as damaged.
 
 tf.train.Checkpoint.write(ckpt-<step>) writes into a ckpt-<step>_temp folder,
 then moves the data files to ckpt-<step>.data-*, writes ckpt-<step>.index and
@@ -14,6 +15,7 @@ interrupted.
 import os
 import re
 
+import numpy as np
 import tensorflow as tf
 
 STATE_FILE = 'checkpoint'
@@ -23,6 +25,19 @@ _FILE = re.compile(r'ckpt-(\d+)(\.index|\.data-\d+-of-\d+|_temp)$')
 # What reading a damaged checkpoint raises: OpError (bad checksum, not an
 # sstable, missing file), IndexError (a truncated data file), ValueError.
 READ_ERRORS = (tf.errors.OpError, IndexError, ValueError)
+
+
+def CheckDirectoryName(directory, what='The checkpoint directory'):
+  """ValueError if `directory` holds a glob character (* ? [): TensorFlow reads a
+  checkpoint's path as a glob pattern, so no save there would read back."""
+  found = sorted(set(_GLOB_CHARACTERS) & set(directory))
+  if found:
+    raise ValueError(f'{what} {directory!r} holds the glob character(s) {" ".join(found)}, '
+                     'which TensorFlow reads checkpoint paths as patterns with: no save there '
+                     'would read back; use a name without them.')
+
+
+_GLOB_CHARACTERS = '*?['
 
 
 def CheckpointPath(directory, step):
@@ -58,17 +73,32 @@ def Exists(path):
   return tf.io.gfile.exists(path + '.index')
 
 
-def Problem(path):
-  """None if checkpoint `path` reads back in full, else why not, in one line."""
+def Problem(path, check_finite=True):
+  """None if checkpoint `path` reads back in full, every float tensor finite (no run resumes
+  from NaN weights), else why not, in one line."""
   if not Exists(path):
     return 'no index file'
   try:
     reader = tf.train.load_checkpoint(path)
-    for name in reader.get_variable_to_shape_map():
-      reader.get_tensor(name)
+    for name in sorted(reader.get_variable_to_shape_map()):
+      value = reader.get_tensor(name)
+      if check_finite and not _Finite(value):
+        return f'{name.replace(_VALUE_SUFFIX, "")} holds NaN or Inf'
   except READ_ERRORS as e:
     return ReadErrorLine(e)
   return None
+
+
+_VALUE_SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'
+
+
+def _Finite(value):
+  """Whether a tensor read from a checkpoint holds no NaN or Inf (True for non-floats)."""
+  value = np.asarray(value)
+  if 'float' not in value.dtype.name and 'complex' not in value.dtype.name:
+    return True
+  return bool(np.isfinite(value.astype(np.complex128 if 'complex' in value.dtype.name
+                                       else np.float64)).all())
 
 
 def ReadErrorLine(error):
@@ -108,7 +138,7 @@ def RemoveDebris(directory):
     path = CheckpointPath(directory, step)
     if not InProgress(path):
       continue
-    complete = Problem(path) is None
+    complete = Problem(path, check_finite=False) is None  # Complete, if not finite.
     for name in sorted(names):
       if name.endswith(_TEMP):
         tf.io.gfile.rmtree(os.path.join(directory, name))

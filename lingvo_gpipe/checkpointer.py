@@ -113,6 +113,10 @@ class Checkpointer:
   """
 
   def __init__(self, directory, variables, global_step, optimizer=None, max_to_keep=5):
+    try:
+      files.CheckDirectoryName(directory)
+    except ValueError as e:
+      raise base_runner.UserError(str(e)) from None
     self._directory = directory
     self._model = _NameTree.FromVariables(variables)
     self._global_step = global_step
@@ -222,7 +226,8 @@ class Checkpointer:
     logger = tf.get_logger()
     logger.addFilter(_NotSaveRetracing)
     try:
-      self._checkpoint.write(path)
+      with base_runner.Writing(f'checkpoint {path} (the older checkpoints are kept)'):
+        self._checkpoint.write(path)
     finally:
       logger.removeFilter(_NotSaveRetracing)
     problem = files.Problem(path)

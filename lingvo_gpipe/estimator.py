@@ -63,6 +63,12 @@ class RunConfig:
   keep_checkpoint_max: int = 5
   log_step_count_steps: int = 100
 
+  def __post_init__(self):
+    try:
+      checkpoint_files.CheckDirectoryName(self.model_dir, 'RunConfig.model_dir')
+    except ValueError as e:
+      raise base_runner.UserError(str(e)) from None
+
 
 @dataclasses.dataclass
 class EstimatorSpec:

@@ -72,12 +72,17 @@ class RunLock:
       else:  # The holder removed the file as we opened it: lock the new one.
         os.close(fd)
     self._TakeOver(_Holder(self._fd))
-    os.ftruncate(self._fd, 0)
-    os.lseek(self._fd, 0, os.SEEK_SET)
-    os.write(self._fd, json.dumps({
-        'host': socket.gethostname(), 'pid': os.getpid(),
-        'start': datetime.datetime.now().isoformat(timespec='seconds')}).encode())
-    os.fsync(self._fd)
+    try:
+      with base_runner.Writing(self._path):
+        os.ftruncate(self._fd, 0)
+        os.lseek(self._fd, 0, os.SEEK_SET)
+        os.write(self._fd, json.dumps({
+            'host': socket.gethostname(), 'pid': os.getpid(),
+            'start': datetime.datetime.now().isoformat(timespec='seconds')}).encode())
+        os.fsync(self._fd)
+    except base_runner.UserError:
+      self._Release()
+      raise
     _HELD.add(self)
     return self
 
@@ -101,6 +106,9 @@ class RunLock:
     if not self._local or self._fd is None:
       return
     _HELD.discard(self)
+    self._Release()
+
+  def _Release(self):
     os.remove(self._path)
     os.close(self._fd)
     self._fd = None

@@ -264,16 +264,17 @@ def ConfigureLocalDevices(run_locally, num_cpu_devices):
 
 
 def _MakeWritableDir(path):
-  """Creates `path` if needed and checks that files can be written there."""
+  """Creates `path` if needed and checks that files can be written there (a page of them:
+  a full disk fails here, not in the lock file)."""
   probe = os.path.join(path, '.write_probe')
   try:
-    tf.io.gfile.makedirs(path)
-    with tf.io.gfile.GFile(probe, 'w') as f:
-      f.write('')
-    tf.io.gfile.remove(probe)
-  except (tf.errors.OpError, OSError) as e:
-    reason = getattr(e, 'message', None) or getattr(e, 'strerror', None) or str(e)
-    raise base_runner.UserError(f'Cannot write to {path}: {reason}') from None
+    with base_runner.Writing(f'to {path}'):
+      tf.io.gfile.makedirs(path)
+      with tf.io.gfile.GFile(probe, 'w') as f:
+        f.write(' ' * 4096)
+  finally:
+    if tf.io.gfile.exists(probe):
+      tf.io.gfile.remove(probe)
 
 
 # -- jobs --------------------------------------------------------------------------------
@@ -373,15 +374,19 @@ def RunTrainer(model_params, logdir, input_device=None, stop=None):
       save_interval_steps=t.save_interval_steps, summary_interval_steps=t.summary_interval_steps,
       log_interval_steps=t.log_interval_steps)
   train_dir = os.path.join(logdir, 'train')
+  # What the params build is checked before anything is written.
+  with tf.device(input_device):
+    generator = base_runner.InputGenerator(model_params.input)
+  built = _Instantiate(model_params, train_dir, with_learner=True)
   _MakeWritableDir(train_dir)
   with run_lock.RunLock(train_dir):
-    _Train(model_params, settings, train_dir, logdir, input_device, stop)
+    _Train(model_params, settings, built, generator, logdir, input_device, stop)
 
 
-def _Train(model_params, settings, train_dir, logdir, input_device, stop):
-  """RunTrainer's work, holding the lock of train_dir."""
-  task, global_step, learner, checkpointer = _Instantiate(model_params, train_dir,
-                                                          with_learner=True)
+def _Train(model_params, settings, built, generator, logdir, input_device, stop):
+  """RunTrainer's work, holding the lock of the train dir: `built` is _Instantiate's."""
+  task, global_step, learner, checkpointer = built
+  train_dir = checkpointer.directory
   checkpointer.Recover()
   step = int(global_step.numpy())
   if step >= settings.max_steps:
@@ -389,7 +394,7 @@ def _Train(model_params, settings, train_dir, logdir, input_device, stop):
                  settings.max_steps)
     return
   with tf.device(input_device):
-    dataset = base_runner.InputDataset(model_params.input, start_batch=step)
+    dataset = generator.Dataset(start_batch=step)
     iterator = iter(dataset)
 
   def ForwardBackward(batch):
@@ -408,7 +413,8 @@ def _Train(model_params, settings, train_dir, logdir, input_device, stop):
                time.perf_counter() - started)
   # Once the run can start (the params build, the checkpoints fit them, the input makes a
   # dataset): where it ends, for an evaler (_TrainersMaxSteps).
-  with tf.io.gfile.GFile(os.path.join(train_dir, 'params.txt'), 'w') as f:
+  params_path = os.path.join(train_dir, 'params.txt')
+  with base_runner.Writing(params_path), tf.io.gfile.GFile(params_path, 'w') as f:
     f.write(model_params.ToText())
   writer = tf.summary.create_file_writer(train_dir)
   logging.info('Training %s from step %d to train.max_steps=%d (--max_steps=N to change). '
@@ -468,6 +474,11 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
     base_runner.WriteScalars(writer, step, metrics)
     logging.info('eval_%s step %d (%d batches): %s', dataset_name.lower(), step, num_batches,
                  '  '.join(f'{k} {v:.5g}' for k, v in sorted(metrics.items())))
+    bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
+    if bad:
+      raise base_runner.NonFiniteError(
+          f'eval_{dataset_name.lower()} of {path} (step {step}): '
+          f'{", ".join(f"{k} {metrics[k]}" for k in bad)} not finite.')
     return step
 
   if FLAGS.eval_once:
@@ -648,6 +659,10 @@ def _Run():
     return
   if not FLAGS.logdir:
     raise base_runner.UserError('--logdir is required.')
+  try:
+    checkpoint_files.CheckDirectoryName(FLAGS.logdir, '--logdir')
+  except ValueError as e:
+    raise base_runner.UserError(str(e)) from None
   if cluster.spec:
     RunClusterClient(model_params, cluster, dataset_name)
     return

@@ -103,6 +103,35 @@ def testADamagedLatestCheckpointIsMovedAsideAndTheNewestIntactOneUsed(tmp_path, 
   assert tf.train.latest_checkpoint(directory) == os.path.join(directory, 'ckpt-2')
 
 
+@pytest.mark.parametrize('bad', [np.nan, np.inf, -np.inf])
+def testACheckpointWithANonFiniteWeightCountsAsDamaged(tmp_path, bad, caplog):
+  """A newest checkpoint holding one NaN (or Inf) weight is passed over by the evaler's
+  Newest and moved aside by the trainer's Recover, which restores the newest finite one."""
+  directory = _Trained(tmp_path, steps=(1, 2))
+  checkpointer, model = _Checkpointer(directory)
+  model.w.assign(tf.tensor_scatter_nd_update(tf.fill([64, 8], 3.0), [[5, 1]], [bad]))
+  checkpointer._global_step.assign(3)  # pylint: disable=protected-access
+  checkpointer._checkpoint.write(os.path.join(directory, 'ckpt-3'))  # pylint: disable=protected-access
+  assert files.Problem(os.path.join(directory, 'ckpt-3')) == 'model/w holds NaN or Inf'
+  assert os.path.basename(_Checkpointer(directory)[0].Newest()) == 'ckpt-2'
+  assert _Recovered(directory) == ('ckpt-2', 2.0)
+  assert os.listdir(os.path.join(directory, files.DAMAGED_DIR)) == ['ckpt-3']
+  assert any('ckpt-3 is damaged (model/w holds NaN or Inf): moved to' in r.getMessage()
+             for r in caplog.records)
+
+
+def testASaveOfNonFiniteWeightsIsRefusedAndTheOlderKept(tmp_path):
+  directory = _Trained(tmp_path, steps=(1, 2))
+  checkpointer, model = _Checkpointer(directory)
+  checkpointer.Recover()
+  model.b.assign(tf.fill([8], np.nan))
+  checkpointer._global_step.assign(3)  # pylint: disable=protected-access
+  with pytest.raises(base_runner.UserError, match='ckpt-3 does not read back after saving '
+                     r'\(model/b holds NaN or Inf\); the older checkpoints are kept'):
+    checkpointer.Save()
+  assert files.Steps(directory)[1:] == [2, 1] and checkpointer.latest.endswith('ckpt-2')
+
+
 def testDamagedCheckpointsOfTheSameStepAreAllKept(tmp_path):
   directory = _Trained(tmp_path)
   for _ in range(2):

@@ -180,6 +180,11 @@ def testNanStopsTrainingAndKeepsTheLastGoodCheckpoint(tmp_path):
   values = _Checkpoint(latest)
   assert values[_STEP_KEY] == 4
   assert all(np.all(np.isfinite(v)) for k, v in values.items() if k.startswith('model/'))
+  # An evaler whose loss is not finite (NaN from step 3 on) fails, naming it.
+  code, _, err = _Run(f'--logdir={logdir}', '--job=evaler_dev', '--eval_once',
+                      '--model_params_override=task.nan_at_step : 3')
+  assert code == 1 and _ErrorLines(err) == [
+      f'trainer: error: eval_dev of {train_dir}/ckpt-4 (step 4): loss nan not finite.'], err
 
 
 def testKill9MidRunThenCleanResume(tmp_path):
@@ -691,3 +696,46 @@ def testTrainerAndEstimatorShareOneCheckpointLayout(tmp_path):
   for name, value in want.items():
     if name.startswith('model/'):
       np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+_FULL_DISK_SCRIPT = r'''
+set -u
+d=$1
+mount -t tmpfs -o size=1m tmpfs "$d"
+train() { python -m lingvo_gpipe.trainer --model=toy.regression.PipelinedRegression "$@"; echo "exit $?"; }
+fill() { dd if=/dev/zero of="$d/fill" bs=4k 2>/dev/null; truncate -s "-$1" "$d/fill"; }
+train --logdir="$d/log" --max_steps=2
+fill 0; echo '# full at start'; train --logdir="$d/new" --max_steps=2; ls -A "$d/new/train"
+rm "$d/fill"; fill 8192; echo '# full at a save'; train --logdir="$d/log" --max_steps=4
+rm "$d/fill"; echo '# space again'; train --logdir="$d/log" --max_steps=4
+python -c "import tensorflow as tf; print('latest', tf.train.latest_checkpoint('$d/log/train'))"
+'''
+
+
+def testAFullDiskIsOneLineAndLosesNothing(tmp_path):
+  """A full disk (a 1 MiB tmpfs in a user and mount namespace of its own) at start-up or at
+  a save stops the trainer with one line naming the path; the run then resumes from its last
+  checkpoint once there is space."""
+  if subprocess.run(['unshare', '--user', '--map-root-user', '--mount', 'true'],
+                    capture_output=True, check=False).returncode:
+    pytest.skip('this machine allows no unprivileged user and mount namespaces')
+  disk = tmp_path / 'disk'
+  disk.mkdir()
+  env = dict(os.environ, LINGVO_GPIPE_PARAMS=_PARAMS_DIR, TF_CPP_MIN_LOG_LEVEL='2',
+             PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ['PATH'])
+  result = subprocess.run(['unshare', '--user', '--map-root-user', '--mount', 'bash', '-c',
+                           _FULL_DISK_SCRIPT, 'sh', str(disk)], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+  out, err = result.stdout, result.stderr
+  assert 'Traceback' not in err, err[-3000:]
+  assert out.split('\n# ')[1:] == [
+      'full at start\nexit 1',
+      'full at a save\nexit 1',
+      f'space again\nexit 0\nlatest {disk}/log/train/ckpt-4\n'], out + err[-3000:]
+  start, save = _ErrorLines(err)
+  assert start == (f'trainer: error: Cannot write to {disk}/new/train: {disk}/new/train/'
+                   '.write_probe; No space left on device'), err[-3000:]
+  assert re.fullmatch(
+      f'trainer: error: Cannot write checkpoint {disk}/log/train/ckpt-4 \\(the older '
+      f'checkpoints are kept\\): {disk}/log/train/ckpt-4_temp/\\S+; No space left on device',
+      save), save

@@ -43,7 +43,8 @@ class RegressionTask(base_model.BaseTask):
     p.Define('input_dim', 4, 'Features per example.')
     p.Define('hidden_dim', 8, 'Width of the hidden layer (the stage boundary).')
     p.Define('num_micro_batches', 2, 'Micro-batches per batch.')
-    p.Define('nan_at_step', -1, 'If >= 0, the loss is NaN from this global step on.')
+    p.Define('nan_at_step', -1, 'If >= 0, the loss is NaN from this global step on, and in '
+             'evaluation.')
     return p
 
   def __init__(self, params):
@@ -61,8 +62,9 @@ class RegressionTask(base_model.BaseTask):
     error = predictions - targets
     loss = tf.reduce_mean(tf.square(error))
     if self.params.nan_at_step >= 0:
-      step = py_utils.CurrentContext().step
-      loss += tf.where(step >= self.params.nan_at_step, float('nan'), 0.0)
+      step = py_utils.CurrentContext().step  # None in evaluation.
+      nan = True if step is None else step >= self.params.nan_at_step
+      loss += tf.where(nan, float('nan'), 0.0)
     weight = tf.cast(tf.shape(targets)[0], tf.float32)
     return py_utils.NestedMap(loss=(loss, weight),
                               abs_error=(tf.reduce_mean(tf.abs(error)), weight))
