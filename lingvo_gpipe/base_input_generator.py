@@ -48,6 +48,9 @@ class BaseInputGenerator:
         raise ValueError(f'{p.name}: {name} must be an int, got {value!r}.')
     if p.batch_size < 1:
       raise ValueError(f'{p.name}: batch_size must be positive, got {p.batch_size}.')
+    if p.prefetch_batches < 0 and p.prefetch_batches != tf.data.AUTOTUNE:
+      raise ValueError(f'{p.name}: prefetch_batches must be >= 0 or tf.data.AUTOTUNE '
+                       f'({tf.data.AUTOTUNE}), got {p.prefetch_batches}.')
     if p.num_batches is not None and not (isinstance(p.num_batches, int) and p.num_batches > 0):
       raise ValueError(f'{p.name}: num_batches must be None or a positive int, got '
                        f'{p.num_batches!r}.')

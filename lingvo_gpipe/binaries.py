@@ -69,14 +69,17 @@ def _ImportTensorFlow():
 
 
 def _ParseFlags(argv):
-  """absl's parsing, but --help and --helpfull exit 0: the help is what was asked for."""
+  """absl's parsing, but a bad flag is one line '<binary>: error: ...' (exit 1), and --help
+  and --helpfull exit 0: the help is what was asked for."""
   try:
-    return app.parse_flags_with_usage(argv)
-  except SystemExit as e:
-    # A bad flag exits while handling its flags.Error; a help flag exits on its own.
-    if e.code == 1 and not isinstance(e.__context__, flags.Error):
-      raise SystemExit(0) from None
-    raise
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    binary = os.path.splitext(os.path.basename(argv[0]))[0]
+    sys.stderr.write(f'{binary}: error: {" ".join(str(e).split())} (--helpshort lists the '
+                     'flags).\n')
+    raise SystemExit(1) from None
+  except SystemExit as e:  # A help flag prints the help and exits 1.
+    raise SystemExit(0 if e.code == 1 else e.code) from None
 
 
 def Run(main):

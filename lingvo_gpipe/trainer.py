@@ -46,7 +46,6 @@ from lingvo_gpipe import binaries
 binaries.QuietTensorFlow()  # Before TensorFlow is imported.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-from absl import app
 from absl import flags
 from absl import logging
 import tensorflow as tf
@@ -318,6 +317,18 @@ def _Describe(pipe):
           f'{schedule_lib.Name(p.schedule)}, remat {p.remat}')
 
 
+def _CheckBuiltPipelines(task, batch_size):
+  """UserError if a pipeline the task built in code (its params hold none, so
+  CheckPipelineBatches passed it) splits the training batch into empty micro-batches."""
+  if batch_size is None:
+    return
+  for pipe in _Pipelines(task):
+    try:
+      pipeline_params.CheckBatch(pipe.params, batch_size, 'input.batch_size', pipe.path)
+    except ValueError as e:
+      raise base_runner.UserError(str(e)) from None
+
+
 def _TracedWork(task, batch_size):
   """What tracing a step of the task builds, e.g. 'K=8, M=64, zb_h1, 1,600 actions' per
   pipeline: each action is one call of a function traced once per chunk."""
@@ -378,6 +389,7 @@ def RunTrainer(model_params, logdir, input_device=None, stop=None):
   with tf.device(input_device):
     generator = base_runner.InputGenerator(model_params.input)
   built = _Instantiate(model_params, train_dir, with_learner=True)
+  _CheckBuiltPipelines(built[0], base_runner.InputBatchSize(model_params))
   _MakeWritableDir(train_dir)
   with run_lock.RunLock(train_dir):
     _Train(model_params, settings, built, generator, logdir, input_device, stop)
@@ -408,7 +420,10 @@ def _Train(model_params, settings, built, generator, logdir, input_device, stop)
     logging.info('Pipeline %s.', _Describe(pipe))
   started = time.perf_counter()
   logging.info('Tracing the training step: %s ...', _TracedWork(task, batch_size))
-  loop_fn = learner.BuildLoop(dataset.element_spec, ForwardBackward)
+  try:
+    loop_fn = learner.BuildLoop(dataset.element_spec, ForwardBackward)
+  except ValueError as e:  # The model does not fit its input, e.g. from an override.
+    raise base_runner.UserError(f'Cannot build the training step: {e}') from None
   logging.info('Traced the training step in %.1f s; its first run optimizes the graph.',
                time.perf_counter() - started)
   # Once the run can start (the params build, the checkpoints fit them, the input makes a
@@ -675,9 +690,10 @@ def _Run():
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {" ".join(argv[1:])}')
   try:
+    if len(argv) > 1:
+      raise base_runner.UserError(f'unexpected argument(s) {" ".join(argv[1:])}: every '
+                                  'setting is a --flag (--helpshort lists them).')
     _Run()
   except preemption.Interrupted as e:
     sys.stderr.write(f'trainer: {e}\n')
