@@ -50,10 +50,13 @@ def testVariablesAreThetaNamedByPathAndTrainLikePlainMath():
 
 
 def testInitialValuesDependOnThePathOnly():
-  keras.utils.set_random_seed(1)
-  one = _Pipe(_DenseParams(), num_stages=1, num_micro_batches=1)
-  keras.utils.set_random_seed(2)
-  two = _Pipe(_DenseParams(), num_stages=2, num_micro_batches=2)
+  try:
+    keras.utils.set_random_seed(1)
+    one = _Pipe(_DenseParams(), num_stages=1, num_micro_batches=1)
+    keras.utils.set_random_seed(2)
+    two = _Pipe(_DenseParams(), num_stages=2, num_micro_batches=2)
+  finally:
+    tf.random.set_seed(None)  # No global seed for the tests that follow in this process.
   for a, b in zip(one.trainable_variables, two.trainable_variables):
     assert a.name == b.name
     np.testing.assert_array_equal(a.numpy(), b.numpy())
