@@ -36,6 +36,10 @@ class UserError(Exception):
   """A mistake the user can fix; binaries print its message as one line and exit non-zero."""
 
 
+_RUNTIME_ERRORS = (tf.errors.UnavailableError, tf.errors.CancelledError, tf.errors.AbortedError,
+                   tf.errors.DeadlineExceededError)
+
+
 @contextlib.contextmanager
 def Writing(what):
   """Turns an I/O error (a full disk, a lost permission) while writing `what` (a path, or
@@ -43,6 +47,8 @@ def Writing(what):
   try:
     yield
   except (OSError, tf.errors.OpError) as e:
+    if isinstance(e, _RUNTIME_ERRORS):
+      raise  # Not the file's: a lost worker (cluster.HealthMonitor names it), a cancelled op.
     reason = str(getattr(e, 'strerror', None) or getattr(e, 'message', None) or e)
     reason = re.sub(r'\{\{function_node [^}]*\}\}|\[Op:\w+\]', '', reason)  # TensorFlow's.
     raise UserError(f'Cannot write {what}: {" ".join(reason.split())}') from None
