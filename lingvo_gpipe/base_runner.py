@@ -102,6 +102,29 @@ def LoadModelParams(key, dataset, override='', max_steps=None):
   return params
 
 
+# What an evaler does not take from the trainer's params: where the trainer placed its
+# pipelines (another process's devices), how long it trained, the task's copy of the input.
+_NOT_CARRIED = re.compile(r'(^|\.)(devices|num_replicas)$|^train\.max_steps$|^task\.input(\.|$)')
+
+
+def TrainersSettings(key, dataset, params_text):
+  """['a.b : value'] lines of the trainer's recorded params (<logdir>/train/params.txt) that
+  an evaler of `dataset` takes: the trainer's overrides (where they differ from the
+  registered Train() params) of settings that `dataset` shares with Train(), such as the
+  model's size or an input file; a setting the dataset has its own value of (a seed, a
+  number of batches) stays the dataset's."""
+  train = dict(_ParamsLines(LoadModelParams(key, 'Train').ToText()))
+  evaluated = dict(_ParamsLines(LoadModelParams(key, dataset).ToText()))
+  return [f'{k} : {v}' for k, v in _ParamsLines(params_text)
+          if k in train and train[k] != v and evaluated.get(k) == train[k] and
+          not _NOT_CARRIED.search(k)]
+
+
+def _ParamsLines(text):
+  return [tuple(part.strip() for part in line.split(' : ', 1))
+          for line in text.splitlines() if ' : ' in line]
+
+
 def InputBatchSize(model_params):
   """The batch size of the model's input params, or None if they fix none."""
   inputs = model_params.input

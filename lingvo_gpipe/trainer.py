@@ -516,6 +516,24 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
       f'({evaluated}, train.max_steps={max_steps}): is the trainer running?')
 
 
+def _WithTrainersSettings(override, dataset_name):
+  """`override` after the settings the trainer of --logdir ran with (its params.txt) that
+  the evaluated data shares (base_runner.TrainersSettings): an evaler evaluates the model the
+  trainer trained, on the data source it trained on, unless its own override says otherwise."""
+  path = os.path.join(FLAGS.logdir, 'train', 'params.txt')
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      recorded = f.read()
+  except tf.errors.NotFoundError:
+    return override
+  own = set(base_runner.OverrideKeys(override))
+  taken = [line for line in base_runner.TrainersSettings(FLAGS.model, dataset_name, recorded)
+           if line.split(' : ', 1)[0] not in own]
+  if taken:
+    logging.info("Evaluating with the trainer's settings (%s): %s", path, '; '.join(taken))
+  return '\n'.join(taken + [override])
+
+
 def _TrainersMaxSteps(train_dir, own):
   """The step an evaler evaluates up to: --max_steps if given, else its train.max_steps or
   less if the trainer of train_dir runs to less (its params.txt, e.g. from the trainer's own
@@ -651,15 +669,18 @@ def _Run():
   _CheckFlagsAtLeast(0, 'max_steps', 'pipeline_stats_every')
   _CheckFlagsAtLeast(1, 'checkpoint_max_to_keep', 'eval_batches')
   dataset_name = {'evaler_dev': 'Dev', 'evaler_test': 'Test'}.get(FLAGS.job, 'Train')
-  model_params = base_runner.LoadModelParams(FLAGS.model, dataset_name,
-                                             FLAGS.model_params_override, FLAGS.max_steps)
+  override = FLAGS.model_params_override
+  if dataset_name != 'Train' and FLAGS.mode == 'sync' and FLAGS.logdir:
+    override = _WithTrainersSettings(override, dataset_name)
+  model_params = base_runner.LoadModelParams(FLAGS.model, dataset_name, override,
+                                             FLAGS.max_steps)
   if not model_registry.GetClass(FLAGS.model).Defines(dataset_name):
     logging.warning('%s defines no %s(): evaluating its Train() data instead.', FLAGS.model,
                     dataset_name)
   if FLAGS.balance_file:
     # The plan's M is the training batch's, also for an evaler (whose input is another).
     train_params = model_params if dataset_name == 'Train' else base_runner.LoadModelParams(
-        FLAGS.model, 'Train', FLAGS.model_params_override)
+        FLAGS.model, 'Train', override)
     changes = base_runner.ApplyBalanceFile(model_params, FLAGS.balance_file,
                                            FLAGS.model_params_override,
                                            base_runner.InputBatchSize(train_params))

@@ -739,3 +739,25 @@ def testAFullDiskIsOneLineAndLosesNothing(tmp_path):
       f'trainer: error: Cannot write checkpoint {disk}/log/train/ckpt-4 \\(the older '
       f'checkpoints are kept\\): {disk}/log/train/ckpt-4_temp/\\S+; No space left on device',
       save), save
+
+
+def testAnEvalerEvaluatesTheModelAndDataTheTrainerRanWith(tmp_path):
+  """The trainer's overrides, recorded in <logdir>/train/params.txt, are the evaler's too
+  where Dev shares the Train setting (a model size, the batch size; not Dev's own seed), so
+  it evaluates the trained model without repeating them; its own override wins."""
+  logdir = str(tmp_path / 'log')
+  trained = 'task.hidden_dim : 6; input.batch_size : 4; input.seed : 7'
+  _Ok(_Run(f'--logdir={logdir}', '--max_steps=2', f'--model_params_override={trained}'))
+  err = _Ok(_Run(f'--logdir={logdir}', '--job=evaler_dev', '--eval_once'))
+  taken = [line for line in err.splitlines() if "Evaluating with the trainer's settings" in line]
+  assert len(taken) == 1 and taken[0].endswith(
+      f"({logdir}/train/params.txt): input.batch_size : 4; task.hidden_dim : 6"), taken
+  assert 'eval_dev step 2 (2 batches)' in err  # Dev's own seed and num_batches.
+  err = _Ok(_Run(f'--logdir={logdir}', '--job=evaler_dev', '--eval_once',
+                 '--model_params_override=input.batch_size : 2'))
+  taken = [line for line in err.splitlines() if "Evaluating with the trainer's settings" in line]
+  assert len(taken) == 1 and taken[0].endswith('params.txt): task.hidden_dim : 6'), taken
+  # Without them the evaler would build another model than the checkpoint's.
+  code, _, err = _Run(f'--logdir={logdir}', '--job=evaler_dev', '--eval_once',
+                      '--model_params_override=task.hidden_dim : 8')
+  assert code == 1 and 'is from a different model' in err
