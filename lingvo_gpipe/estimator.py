@@ -33,6 +33,7 @@ import dataclasses
 import numbers
 import os
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -95,7 +96,9 @@ class EstimatorSpec:
 
 
 def TaskSpec(task, input_batch, mode):
-  """The EstimatorSpec of a base_model.BaseTask in any mode."""
+  """The EstimatorSpec of a base_model.BaseTask in any mode; a plain dict batch (an input_fn
+  of one's own) reads as the NestedMap the task expects."""
+  input_batch = _AsNestedMap(input_batch)
   theta = task.theta
   if mode == ModeKeys.PREDICT:
     return EstimatorSpec(mode, predictions=task.Inference(theta, input_batch))
@@ -106,6 +109,13 @@ def TaskSpec(task, input_batch, mode):
   return EstimatorSpec(mode, loss=metrics.loss, eval_metrics=metrics,
                        gradients=learner_lib.GradientsAndVariables(theta, grads),
                        train_params=task.params.train)
+
+
+def _AsNestedMap(value):
+  """`value` with every dict (of identifier keys) a NestedMap, recursively."""
+  if isinstance(value, dict):
+    return py_utils.NestedMap({k: _AsNestedMap(v) for k, v in value.items()})
+  return value
 
 
 def RegistryInputFn(key, dataset, model_params_override=''):
@@ -221,15 +231,25 @@ class Estimator:
     self._store = _VariableStore()
     self._global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
     self._learner = None
+    self._told_of_logging = False
     self._functions = {}
     self._writers = {}
 
   @classmethod
-  def from_registry(cls, key, config, model_params_override=''):
-    """An Estimator of registered experiment `key`'s task; batch sizes from its inputs."""
+  def from_registry(cls, key, config, model_params_override='', train_batch_size=None,
+                    eval_batch_size=None, predict_batch_size=None):
+    """An Estimator of registered experiment `key`'s task; a batch size not given is its
+    Train, Dev or Test input's (RegistryInputFn reads params['batch_size'])."""
     model_params = {d: base_runner.LoadModelParams(key, d, model_params_override)
                     for d in base_model_params.DATASETS}
-    for params in model_params.values():
+    given = {'Train': train_batch_size, 'Dev': eval_batch_size, 'Test': predict_batch_size}
+    for dataset, params in model_params.items():
+      if given[dataset] is not None:
+        if type(given[dataset]) is not int or given[dataset] < 1:
+          raise base_runner.UserError(f'from_registry: the {dataset} batch size must be an '
+                                      f'int >= 1, got {given[dataset]!r}.')
+        if params.input is not None and 'batch_size' in params.input:
+          params.input.batch_size = given[dataset]
       base_runner.CheckPipelineBatches(params)
     task_params = model_params['Train'].task
 
@@ -239,7 +259,9 @@ class Estimator:
 
     def BatchSize(dataset):
       p = model_params[dataset].input
-      return p.batch_size if p is not None and 'batch_size' in p else None
+      if given[dataset] is not None or p is None or 'batch_size' not in p:
+        return given[dataset]
+      return p.batch_size
 
     return cls(ModelFn, config, train_batch_size=BatchSize('Train'),
                eval_batch_size=BatchSize('Dev'), predict_batch_size=BatchSize('Test'))
@@ -263,6 +285,10 @@ class Estimator:
     if max_steps is not None and steps is not None:
       raise ValueError('Give steps or max_steps, not both.')
     _CheckSteps(steps=steps, max_steps=max_steps)
+    if logging.get_verbosity() < logging.INFO and not self._told_of_logging:
+      self._told_of_logging = True
+      logging.warning('Estimator progress lines are absl INFO logs, hidden at this verbosity: '
+                      "absl.logging.set_verbosity('info') shows them.")
     tf.io.gfile.makedirs(self.model_dir)
     with run_lock.RunLock(self.model_dir):
       self._Train(input_fn, max_steps, steps)

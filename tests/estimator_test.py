@@ -229,3 +229,39 @@ def testEvaluatingAnInputOfUnknownEndLogsProgress(tmp_path, monkeypatch):
   est.evaluate(GeneratorInputFn, steps=2)
   assert [line.rsplit(' in ', 1)[0] for line in lines if line.startswith('Evaluated ')] == [
       'Evaluated 1 batches of at most 2', 'Evaluated 2 batches of at most 2']
+
+
+def testAPlainDictInputTrainsAsTheNestedMapInputDoes(tmp_path, caplog, monkeypatch):
+  """An input_fn of one's own may yield plain dicts; training equals the registry's
+  NestedMap batches. Progress lines hidden at absl's default verbosity are said once."""
+  from absl import logging  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  monkeypatch.setattr(logging, 'get_verbosity', lambda: logging.WARNING)
+  nested = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path / 'nested'))
+  nested.train(estimator.RegistryInputFn(_MODEL, 'Train'), max_steps=3)
+  plain = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path / 'plain'))
+  dict_input = lambda params: estimator.RegistryInputFn(_MODEL, 'Train')(params).map(dict)
+  plain.train(dict_input, max_steps=2)
+  plain.train(dict_input, max_steps=3)
+  expected, actual = _ModelValues(tmp_path / 'nested'), _ModelValues(tmp_path / 'plain')
+  assert sorted(actual) == sorted(expected)
+  for name, value in expected.items():
+    np.testing.assert_array_equal(actual[name], value, err_msg=name)
+  told = [r for r in caplog.records if 'progress lines are absl INFO logs' in r.getMessage()]
+  assert len(told) == 2  # Once per Estimator.
+
+
+def testFromRegistryTakesTheBatchSizesGiven(tmp_path):
+  seen = []
+
+  def InputFn(params):
+    seen.append(params['batch_size'])
+    return estimator.RegistryInputFn(_MODEL, 'Train')(params)
+
+  est = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path / 'm'), train_batch_size=4,
+                                          eval_batch_size=2)
+  est.train(InputFn, steps=1)
+  est.evaluate(InputFn, steps=1)
+  assert seen == [4, 2]
+  with pytest.raises(base_runner.UserError, match='the Train batch size must be an int >= 1, '
+                     'got 0'):
+    estimator.Estimator.from_registry(_MODEL, _Config(tmp_path / 'n'), train_batch_size=0)
