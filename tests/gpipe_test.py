@@ -1665,3 +1665,13 @@ def testALayersOwnFPropDtypeHoldsAcrossCuts(cell_cls):
           by_path[f'pipe/c{c}/{name}'])
       expected = layer.FProp(layer.theta, expected)
   np.testing.assert_array_equal(y.numpy(), expected.numpy())
+
+
+def testInterleavingOnOneDeviceIsRefused():
+  """interleaved_1f1b with virtual_stages=2 on 2 cells would run on one device: an error."""
+  cells = gpipe.CellsFromEnds([_Res.Params().Set(name=f'layer{i}') for i in range(4)], [2, 4])
+  p = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells, num_micro_batches=2,
+                                         schedule='interleaved_1f1b', virtual_stages=2)
+  with pytest.raises(ValueError, match='pipe: interleaved_1f1b with virtual_stages=2 of 2 cells '
+                     'leaves one device'):
+    p.Instantiate()

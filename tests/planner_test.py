@@ -417,3 +417,16 @@ def testStackProfilesGlueTheSoftmaxAndTheTrainerTakesThePlan(tmp_path):
   assert proc.returncode == 1
   assert ("trainer: error: --balance_file: task.stack.schedule is set to '1f1b', but the "
           "balance plan of tiny was made for 'gpipe'") in proc.stderr
+
+
+def testProfilesWithABackwardBelowHalfTheForwardAreCalledImplausible():
+  """A loaded machine measured backwards 5-7x below their forwards once: such times are
+  named as noise, not planned from without a word."""
+  def Profiles(backward_s):
+    return [profiler.LayerProfile(f'l{i}', 1.0, backward_s, 0, 1, 10) for i in range(4)]
+
+  assert profiler.ImplausibleTimes(Profiles(2.0)) is None
+  assert profiler.ImplausibleTimes(Profiles(0.5)) is None
+  message = profiler.ImplausibleTimes(Profiles(0.15))
+  assert message.startswith('The profiled backward (600 ms) is 0.15x the forward (4e+03 ms), '
+                            'where about 2x is expected')

@@ -233,6 +233,10 @@ class PipeliningLayer(base_layer.BaseLayer):
     if not isinstance(v, int) or isinstance(v, bool) or v < 1 or num_cells % v:
       raise ValueError(f'{p.name}: virtual_stages={v!r} must be a positive int dividing the '
                        f'{num_cells} cells.')
+    if v > 1 and num_cells == v and p.schedule == 'interleaved_1f1b':
+      raise ValueError(f'{p.name}: interleaved_1f1b with virtual_stages={v} of {num_cells} cells '
+                       'leaves one device, where interleaving does nothing: give '
+                       'virtual_stages x K cells for K >= 2 devices, or virtual_stages=1.')
     return num_cells // v
 
   @classmethod

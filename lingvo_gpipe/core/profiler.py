@@ -9,6 +9,7 @@ is of the compiled step, not of Python.
 import dataclasses
 import time
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -127,7 +128,27 @@ def ProfileLayers(layer_params_list, input_spec, batch_size=None, repeats=3, tie
     if progress:
       progress(i, len(stack.sub), profile)
     args = out if isinstance(out, tuple) else (out,)
+  implausible = ImplausibleTimes(profiles)
+  if implausible:
+    logging.warning('%s', implausible)
   return profiles
+
+
+# A backward computes about two matmuls per forward one; measured at less than half the
+# forward, the timings are noise (a loaded machine), not the model.
+_LEAST_BACKWARD_PER_FORWARD = 0.5
+
+
+def ImplausibleTimes(profiles):
+  """Why `profiles`' times cannot be the model's (a backward below half its forward), or None."""
+  forward = sum(p.forward_s for p in profiles)
+  backward = sum(p.backward_s for p in profiles)
+  if forward > 0 and backward < _LEAST_BACKWARD_PER_FORWARD * forward:
+    return (f'The profiled backward ({backward * 1e3:.3g} ms) is {backward / forward:.2f}x the '
+            f'forward ({forward * 1e3:.3g} ms), where about 2x is expected: the timings are '
+            'likely noise of a busy machine, and a plan made from them may be wrong. Profile '
+            'again on an idle machine, or with more repeats.')
+  return None
 
 
 # -- per-layer costs for balancing --------------------------------------------------
