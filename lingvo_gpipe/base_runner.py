@@ -372,7 +372,7 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
       examples = (f'  {speed["examples_per_second"]:.1f} examples/s'
                   if 'examples_per_second' in speed else '')
       step_time = f"  {speed['step_time']:.4f} s/step" if speed else ''
-      logging.info('step %d/%s  loss %.5g%s%s  time left %s', new_step, s.max_steps,
+      logging.info('step %d/%s  loss %#.4g%s%s  time left %s', new_step, s.max_steps,
                    float(out.loss), examples, step_time, progress.TimeLeft(new_step))
     step = new_step
     if step % s.save_interval_steps == 0:
