@@ -605,3 +605,32 @@ def testMistakesOutsideGpipeAreOneLineErrors():
     batches = ((np.ones((4, n, 4), 'float32'), np.ones((4, n, 3), 'float32')) for n in (5, 6))
     ragged.fit(tf.data.Dataset.from_generator(lambda: batches, output_signature=(
         tf.TensorSpec([4, None, 4]), tf.TensorSpec([4, None, 3]))), shuffle=False, verbose=0)
+
+
+def _ConvLayers():
+  return [keras.layers.Conv2D(8, 3, activation='relu'),
+          keras.layers.DepthwiseConv2D(3, activation='relu'),
+          keras.layers.SeparableConv2D(8, 2, activation='tanh'), keras.layers.Flatten(),
+          keras.layers.Dense(4)]
+
+
+@pytest.mark.parametrize('sched', ['gpipe', '1f1b'])
+def testACnnWithBatchesSmallerThanMTrainsAndPredictsLikeSequential(sched):
+  """Convolutions of an empty micro-batch (TensorFlow's CPU kernels returned their input on
+  no rows): a CNN at K=4, M=8 fits 22 examples in batches of 16 and 6, and predicts 5 and 1
+  rows, as the Sequential does."""
+  keras.utils.set_random_seed(5)
+  try:
+    ref = keras.Sequential([keras.Input((8, 8, 3))] + _ConvLayers())
+  finally:
+    tf.random.set_seed(None)
+  pipe = keras_pipeline.PipelineModel(ref, num_stages=4, num_micro_batches=8, schedule=sched)
+  rng = np.random.RandomState(2)
+  x = rng.normal(size=(22, 8, 8, 3)).astype('float32')
+  y = rng.normal(size=(22, 4)).astype('float32')
+  for rows in (5, 1):
+    np.testing.assert_allclose(pipe.predict(x[:rows], verbose=0),
+                               ref.predict(x[:rows], verbose=0), rtol=1e-5, atol=1e-6)
+  pipe_losses, ref_losses = _Fit(pipe, x, y), _Fit(ref, x, y)
+  np.testing.assert_allclose(pipe_losses, ref_losses, rtol=1e-5)
+  assert _RelativeDifference(pipe.get_weights(), ref.get_weights()) < 1e-5

@@ -229,7 +229,10 @@ class KerasLayer(base_layer.BaseLayer):
                 else theta[name]) for i, (name, v) in enumerate(self._state)]
     with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
       before = [scope.get_current_value(v) for _, v in self._state]
-      out = layer(inputs, training=training)
+      if isinstance(layer, _CONVOLUTIONS):
+        out = _OnAtLeastOneRow(lambda x: layer(x, training=training), inputs)
+      else:
+        out = layer(inputs, training=training)
     if scope.losses:
       raise ValueError(f'{self.path}: the Keras layer {layer.name!r} adds a loss in call() '
                        '(add_loss), which the pipeline would drop; weight regularizers work.')
@@ -321,6 +324,24 @@ class KerasLayer(base_layer.BaseLayer):
     else:
       flops = math.prod(d or 1 for d in first)
     return py_utils.NestedMap(flops=flops, out_shapes=outs)
+
+
+# TensorFlow 2.21's CPU convolutions return their input unchanged on a batch of no rows
+# (tf.nn.conv2d of [0, 8, 8, 3] is [0, 8, 8, 3]), and an empty micro-batch is one.
+_CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
+                 keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D,
+                 keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)
+
+
+def _OnAtLeastOneRow(fn, x):
+  """fn(x) for a batch x that may have no rows: a zero row is appended where it has none, and
+  its output dropped (no control flow; a batch with rows gains none). A concat, not tf.pad:
+  Grappler folds a pad into the convolution, which then sees no rows again."""
+  if isinstance(x.shape[0], int) and x.shape[0] > 0:
+    return fn(x)
+  rows = tf.shape(x)[0]
+  extra = tf.zeros(tf.concat([[tf.maximum(1 - rows, 0)], tf.shape(x)[1:]], 0), x.dtype)
+  return fn(tf.concat([x, extra], 0))[:rows]
 
 
 def _LayerName(config, index):
