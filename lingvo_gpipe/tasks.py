@@ -1,4 +1,5 @@
-"""Tasks on GPipe stacks: language model, encoder-decoder and image classifier.
+"""Tasks on GPipe stacks: language model, encoder-decoder, image classifier, and any
+sequential stack of one's own layers with a standard loss (SequentialStackTask).
 
 A task holds one stack (a layers_with_gpipe PipeliningLayer) as its child
 `stack`. ForwardBackward runs the stack's pipeline schedule with a loss_fn
@@ -20,6 +21,7 @@ variable (learner.GradientsAndVariables) before applying them.
 import tensorflow as tf
 
 from lingvo_gpipe import base_model
+from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers_with_gpipe
 from lingvo_gpipe.core import py_utils
 
@@ -211,3 +213,90 @@ class ImageClassifierTask(PipelinedTask):
 
   def Metrics(self, outputs):
     return ClassificationMetrics(outputs)
+
+
+_STACK_LOSSES = ('mse', 'softmax_xent', 'token_xent')
+
+
+class SequentialStackTask(PipelinedTask):
+  """Any PipeliningLayer of one's own layers, trained on a standard loss: no subclass.
+
+  The stack reads input_batch[input_key]; the loss compares its output with
+  input_batch[target_key]:
+    mse           regression: outputs and targets of one shape; loss is the mean squared
+                  error per example, with abs_error;
+    softmax_xent  classification: logits [B, C], int labels [B]; loss and log_pplx are the
+                  cross entropy per example, with top1;
+    token_xent    sequences (an LM): logits [B, T, V], int labels [B, T], weighted by
+                  input_batch[weight_key] ([B, T], e.g. 1 - paddings) if given; per token,
+                  with token_accuracy.
+  """
+
+  STACK_CLASS = gpipe.PipeliningLayer
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('loss', 'mse', f'The loss of the stack\'s output: one of {list(_STACK_LOSSES)}.')
+    p.Define('input_key', 'x', 'The input batch\'s field the stack reads.')
+    p.Define('target_key', 'y', 'The input batch\'s field of the targets (or labels).')
+    p.Define('weight_key', None, 'token_xent: the input batch\'s field of per-token weights '
+             '(None: every token weighs 1).')
+    return p
+
+  def CheckStack(self, stack):
+    if self.params.loss not in _STACK_LOSSES:
+      raise ValueError(f'{self.path}: loss={self.params.loss!r}; expected one of '
+                       f'{list(_STACK_LOSSES)}.')
+
+  def CheckInput(self, stack, input_params):
+    """The input's fields are checked when a batch arrives (their names are params)."""
+
+  def _Field(self, input_batch, key):
+    if key not in input_batch:
+      raise ValueError(f'{self.path}: the input batch has no field {key!r} (fields: '
+                       f'{sorted(input_batch)}); set input_key, target_key or weight_key.')
+    return input_batch[key]
+
+  def PipelineInput(self, input_batch):
+    return self._Field(input_batch, self.params.input_key)
+
+  def _Labels(self, input_batch):
+    """The batch's targets (and weights): split into micro-batches as the inputs are."""
+    p = self.params
+    labels = py_utils.NestedMap(targets=self._Field(input_batch, p.target_key))
+    if p.loss == 'token_xent' and p.weight_key is not None:
+      labels.weights = self._Field(input_batch, p.weight_key)
+    return labels
+
+  def _StackMetrics(self, outputs, labels):
+    """The metrics of the stack's outputs against their rows of the targets."""
+    p = self.params
+    targets = labels.targets
+    if p.loss == 'mse':
+      error = tf.cast(outputs, tf.float32) - tf.cast(targets, tf.float32)
+      per_example = tf.reshape(error, [tf.shape(error)[0], -1])
+      rows = tf.ones(tf.shape(error)[:1])
+      return py_utils.NestedMap(
+          loss=_WeightedMean(tf.reduce_mean(tf.square(per_example), axis=-1), rows),
+          abs_error=_WeightedMean(tf.reduce_mean(tf.abs(per_example), axis=-1), rows))
+    logits = tf.cast(outputs, tf.float32)
+    label_ids = tf.cast(targets, tf.int32)
+    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=label_ids, logits=logits)
+    correct = tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), label_ids),
+                      tf.float32)
+    weights = labels.get('weights', tf.ones(tf.shape(label_ids)))
+    accuracy = 'top1' if p.loss == 'softmax_xent' else 'token_accuracy'
+    return py_utils.NestedMap(loss=_WeightedMean(xent, weights),
+                              log_pplx=_WeightedMean(xent, weights),
+                              **{accuracy: _WeightedMean(correct, weights)})
+
+  def ComputeLoss(self, theta, predictions, input_batch):
+    del theta
+    return self._StackMetrics(predictions, self._Labels(input_batch))
+
+  def ForwardBackward(self, theta, input_batch):
+    metrics, grads = self.stack.ForwardBackward(
+        theta.stack, self.PipelineInput(input_batch), self._StackMetrics,
+        labels=self._Labels(input_batch))
+    return metrics, py_utils.NestedMap(stack=grads)

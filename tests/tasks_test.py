@@ -301,3 +301,64 @@ def testLmOnUnevenMicroBatchesEqualsTapeOverFPropTower():
                                                                                batch)
   tf.nest.map_structure(_Close, metrics, tape_metrics)
   tf.nest.map_structure(lambda a, b: _Close(a, tf.convert_to_tensor(b)), grads, tape_grads)
+
+
+def _StackTask(loss, out_dim, schedule='1f1b', **kwargs):
+  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  cells = [layers.ProjectionLayer.Params().Set(name='hidden', input_dim=6, output_dim=16,
+                                               activation='RELU'),
+           layers.ProjectionLayer.Params().Set(name='out', input_dim=16, output_dim=out_dim)]
+  stack = gpipe.PipeliningLayer.Params().Set(cell_tpl=cells, num_micro_batches=3,
+                                             schedule=schedule)
+  return tasks.SequentialStackTask.Params().Set(name='mine', stack=stack, loss=loss,
+                                                **kwargs).Instantiate()
+
+
+def _PlainLoss(loss, out, batch):
+  """The loss in plain TensorFlow, on the whole batch."""
+  if loss == 'mse':
+    return tf.reduce_mean(tf.square(out - batch.y))
+  xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=batch.y, logits=out)
+  if loss == 'softmax_xent':
+    return tf.reduce_mean(xent)
+  return tf.reduce_sum(xent * batch.w) / tf.reduce_sum(batch.w)
+
+
+@pytest.mark.parametrize('loss', ['mse', 'softmax_xent', 'token_xent'])
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b', 'zb_h1'])
+def testASequentialStackTaskTrainsItsLayersOnAStandardLoss(loss, schedule):
+  """SequentialStackTask: the loss and gradients of a pipelined step (7 rows, M=3) equal
+  plain TensorFlow's on the unpipelined layers."""
+  rows = 7
+  seq = (rows, 5) if loss == 'token_xent' else (rows,)
+  x = tf.random.stateless_normal(seq + (6,), [1, 2])
+  if loss == 'mse':
+    y = tf.random.stateless_normal((rows, 3), [3, 4])
+  else:
+    y = tf.random.stateless_uniform(seq, [5, 6], maxval=3, dtype=tf.int32)
+  w = tf.cast(tf.random.stateless_uniform(seq, [7, 8]) > 0.3, tf.float32)
+  batch = py_utils.NestedMap(x=x, y=y, w=w)
+  task = _StackTask(loss, 3, schedule, weight_key='w' if loss == 'token_xent' else None)
+  metrics, grads = task.ForwardBackward(task.theta, batch)
+  with tf.GradientTape() as tape:
+    out = x
+    for cell, theta in zip(task.stack.cell, task.theta.stack.cell):
+      out = cell.FProp(theta, out)
+    expected = _PlainLoss(loss, out, batch)
+  expected_grads = tape.gradient(expected, task.theta.stack)
+  np.testing.assert_allclose(metrics.loss[0].numpy(), expected.numpy(), rtol=1e-5)
+  for g, r in zip(tf.nest.flatten(grads.stack), tf.nest.flatten(expected_grads)):
+    np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-4, atol=1e-6)
+  with py_utils.EvalMode():
+    evaluated = task.FPropTower(task.theta, batch)
+  np.testing.assert_allclose(evaluated.loss[0].numpy(), expected.numpy(), rtol=1e-5)
+
+
+def testASequentialStackTaskNamesAMissingFieldAndABadLoss():
+  task = _StackTask('mse', 3, input_key='features')
+  with pytest.raises(ValueError, match=r"mine: the input batch has no field 'features' "
+                     r"\(fields: \['x', 'y'\]\)"):
+    task.ForwardBackward(task.theta, py_utils.NestedMap(x=tf.zeros([4, 6]),
+                                                        y=tf.zeros([4, 3])))
+  with pytest.raises(ValueError, match="mine: loss='hinge'; expected one of"):
+    _StackTask('hinge', 3)
