@@ -28,6 +28,7 @@ re-materialization is therefore an explicit recompute-then-differentiate of
 each chunk, the same idea as tf.recompute_grad with the accumulation in our hands.
 """
 
+from absl import logging
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
@@ -153,7 +154,10 @@ class PipeliningLayer(base_layer.BaseLayer):
     if p.jit_compile and p.remat != 'always':
       raise ValueError(f"jit_compile=True needs remat='always', got remat={p.remat!r}: a "
                        'forward kept for its backward runs on a gradient tape, uncompiled.')
-    self.NumStagesOf(p)  # Checks virtual_stages.
+    if self.NumStagesOf(p) == 1 and p.virtual_stages > 1 and p.schedule == 'interleaved_1f1b':
+      logging.warning('%s: interleaved_1f1b with virtual_stages=%d of %d cells runs on one '
+                      'device, where interleaving does nothing: give virtual_stages x K cells '
+                      'for K >= 2 devices.', p.name, p.virtual_stages, len(p.cell_tpl))
     if p.micro_batch_size is not None and p.num_micro_batches != 1:
       raise ValueError(f'Set num_micro_batches ({p.num_micro_batches}) or micro_batch_size '
                        f'({p.micro_batch_size}), not both: leave num_micro_batches at 1.')
@@ -233,10 +237,6 @@ class PipeliningLayer(base_layer.BaseLayer):
     if not isinstance(v, int) or isinstance(v, bool) or v < 1 or num_cells % v:
       raise ValueError(f'{p.name}: virtual_stages={v!r} must be a positive int dividing the '
                        f'{num_cells} cells.')
-    if v > 1 and num_cells == v and p.schedule == 'interleaved_1f1b':
-      raise ValueError(f'{p.name}: interleaved_1f1b with virtual_stages={v} of {num_cells} cells '
-                       'leaves one device, where interleaving does nothing: give '
-                       'virtual_stages x K cells for K >= 2 devices, or virtual_stages=1.')
     return num_cells // v
 
   @classmethod
