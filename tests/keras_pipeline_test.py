@@ -615,10 +615,10 @@ def _ConvLayers():
 
 
 @pytest.mark.parametrize('sched', ['gpipe', '1f1b'])
-def testACnnWithBatchesSmallerThanMTrainsAndPredictsLikeSequential(sched):
+def testACnnWithBatchesSmallerThanMTrainsAndPredictsLikeSequential(sched, tmp_path):
   """Convolutions of an empty micro-batch (TensorFlow's CPU kernels returned their input on
-  no rows): a CNN at K=4, M=8 fits 22 examples in batches of 16 and 6, and predicts 5 and 1
-  rows, as the Sequential does."""
+  no rows): a CNN at K=4, M=8 fits 22 examples in batches of 16 and 6, and predicts (and its
+  export serves) 5 and 1 rows, as the Sequential does."""
   keras.utils.set_random_seed(5)
   try:
     ref = keras.Sequential([keras.Input((8, 8, 3))] + _ConvLayers())
@@ -631,6 +631,11 @@ def testACnnWithBatchesSmallerThanMTrainsAndPredictsLikeSequential(sched):
   for rows in (5, 1):
     np.testing.assert_allclose(pipe.predict(x[:rows], verbose=0),
                                ref.predict(x[:rows], verbose=0), rtol=1e-5, atol=1e-6)
+  pipe.export(str(tmp_path / 'export'))
+  served = tf.saved_model.load(str(tmp_path / 'export'))
+  for rows in (5, 1):
+    np.testing.assert_allclose(served.serve(x[:rows]).numpy(), ref.predict(x[:rows], verbose=0),
+                               rtol=1e-5, atol=1e-6)
   pipe_losses, ref_losses = _Fit(pipe, x, y), _Fit(ref, x, y)
   np.testing.assert_allclose(pipe_losses, ref_losses, rtol=1e-5)
   assert _RelativeDifference(pipe.get_weights(), ref.get_weights()) < 1e-5
