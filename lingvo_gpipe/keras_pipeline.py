@@ -96,6 +96,18 @@ def _Flattened(layers):
   return out
 
 
+def _CheckedBalance(balance, cost, num_layers, chunks):
+  """`balance` as a list of ints, or a ValueError naming what does not fit."""
+  if cost != 'auto':
+    raise ValueError(f'PipelineModel: give cost={cost!r} or balance={balance!r}, not both.')
+  counts = [int(n) if isinstance(n, np.integer) else n for n in balance]
+  if (len(counts) != chunks or not all(isinstance(n, int) and n >= 1 for n in counts) or
+      sum(counts) != num_layers):
+    raise ValueError(f'PipelineModel: balance={list(balance)!r} must be {chunks} counts >= 1 '
+                     f'(num_stages * virtual_stages chunks) summing to the {num_layers} layers.')
+  return counts
+
+
 def _LossOption(loss, name, default=None):
   """A loss object's or functools.partial's option `name` (default if it has none)."""
   if isinstance(loss, functools.partial):
@@ -124,6 +136,9 @@ class PipelineModel(keras.Model):
       than stages (else that is a ValueError).
     cost: how stages are balanced: 'auto' or 'flops' (an estimate per layer,
       KerasLayer.FPropMeta), 'params', 'time' (measured), or per-layer numbers.
+    balance: instead of a cost, the number of layers of each chunk, in order
+      (torchgpipe's balance), e.g. [3, 2, 2, 1]: num_stages * virtual_stages
+      counts that sum to the layers.
     jit_compile: compile each cell's forward and backward step with XLA (a whole
       train step cannot be: it spans the stages' devices); needs remat='always'.
     input_shape: one example's input shape, if `layers` does not give it; else
@@ -133,7 +148,7 @@ class PipelineModel(keras.Model):
 
   def __init__(self, layers, num_stages=1, num_micro_batches=1, schedule='gpipe',
                virtual_stages=1, remat='always', devices=None, allow_device_reuse=False,
-               cost='auto', jit_compile=False, input_shape=None, **kwargs):
+               cost='auto', balance=None, jit_compile=False, input_shape=None, **kwargs):
     super().__init__(**kwargs)
     # XLA compiles one device's work and a train step spans the stages' devices: Keras
     # then warns of and ignores compile(jit_compile=True); see jit_compile above.
@@ -151,10 +166,12 @@ class PipelineModel(keras.Model):
     # Weights of the given layers that are built, copied in when the pipeline is built.
     self._given_weights = [layer.get_weights() if isinstance(layer, keras.layers.Layer) and
                            layer.built else None for layer in layers]
+    if balance is not None:
+      balance = _CheckedBalance(balance, cost, len(layers), num_stages * virtual_stages)
     self._options = dict(num_stages=num_stages, num_micro_batches=num_micro_batches,
                          schedule=schedule, virtual_stages=virtual_stages, remat=remat,
                          devices=devices, allow_device_reuse=allow_device_reuse, cost=cost,
-                         jit_compile=jit_compile)
+                         balance=balance, jit_compile=jit_compile)
     self._pipeline = None
     self._output_shape = None
     if input_shape is not None:
@@ -199,9 +216,11 @@ class PipelineModel(keras.Model):
         raise ValueError(f"{self.name}: {len(params_list)} layers cannot be cut into "
                          f"num_stages * virtual_stages = {opts['num_stages']} * "
                          f"{opts['virtual_stages']} = {chunks} chunks of one layer or more.")
-      cells = gpipe.PartitionSequentialLayers(
-          params_list, chunks,
-          tf.TensorShape((1,) + shape), cost=opts['cost'])
+      if opts['balance'] is not None:
+        cells = gpipe.CellsFromEnds(params_list, list(np.cumsum(opts['balance']).tolist()))
+      else:
+        cells = gpipe.PartitionSequentialLayers(params_list, chunks,
+                                                tf.TensorShape((1,) + shape), cost=opts['cost'])
       p = gpipe.PipeliningLayer.Params().Set(
           name='pipeline', cell_tpl=cells, num_micro_batches=opts['num_micro_batches'],
           schedule=opts['schedule'], virtual_stages=opts['virtual_stages'],
@@ -344,6 +363,19 @@ class PipelineModel(keras.Model):
     del training  # The shapes do not depend on it.
     return keras.KerasTensor((inputs.shape[0],) + self._output_shape,
                              dtype=_ComputeDType(self._layer_configs[-1]).name)
+
+  def summary(self, *args, print_fn=None, **kwargs):
+    """Keras's summary, then which layers each stage (chunk) runs on which device."""
+    super().summary(*args, print_fn=print_fn, **kwargs)
+    if self._pipeline is None:
+      return
+    pipe = self._pipeline
+    lines = ['Pipeline chunks (chunk: stage on its device: layers):']
+    for c, (cell, stage) in enumerate(zip(pipe.cell, pipe.placement)):
+      names = ', '.join(layer.keras_layer.name for layer in cell.sub)
+      lines.append(f'  {c}: stage {stage} on {pipe.devices[stage]}: {names}')
+    for line in lines:
+      (print_fn or print)(line)
 
   def get_config(self):
     config = super().get_config()

@@ -639,3 +639,26 @@ def testACnnWithBatchesSmallerThanMTrainsAndPredictsLikeSequential(sched, tmp_pa
   pipe_losses, ref_losses = _Fit(pipe, x, y), _Fit(ref, x, y)
   np.testing.assert_allclose(pipe_losses, ref_losses, rtol=1e-5)
   assert _RelativeDifference(pipe.get_weights(), ref.get_weights()) < 1e-5
+
+
+def testABalanceCutsTheLayersAndTheSummaryShowsWhereEachRuns():
+  """torchgpipe's balance=[...]: layers per chunk, in order; summary() lists each chunk's
+  stage, device and layers; a balance that does not fit is one ValueError."""
+  pipe = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=2,
+                                      balance=[3, 1], input_shape=(12,))
+  assert [len(cell.sub) for cell in pipe.pipeline.cell] == [3, 1]
+  lines = []
+  pipe.summary(print_fn=lines.append)
+  names = [layer.name for layer in pipe.pipeline_layers]
+  devices = pipe.pipeline.devices
+  assert lines[-3:] == ['Pipeline chunks (chunk: stage on its device: layers):',
+                        f'  0: stage 0 on {devices[0]}: {", ".join(names[:3])}',
+                        f'  1: stage 1 on {devices[1]}: {names[3]}']
+  x, y = _Data(64, seed=1)
+  ref = keras.Sequential([keras.Input((12,))] + _Layers())
+  ref.set_weights(pipe.get_weights())
+  np.testing.assert_allclose(_Fit(pipe, x, y), _Fit(ref, x, y), rtol=1e-5)
+  for balance, cost in (([2, 1], 'auto'), ([4, 0], 'auto'), ([2, 2], 'params')):
+    with pytest.raises(ValueError, match='balance|not both'):
+      keras_pipeline.PipelineModel(_Layers(), num_stages=2, balance=balance, cost=cost,
+                                   input_shape=(12,))
