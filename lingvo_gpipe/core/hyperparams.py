@@ -484,11 +484,7 @@ def _Resolver(current, kinds):
   """resolve(dotted) for a param holding `current`: names are looked up (and submodules
   imported) only for a class-valued param; numbers and strings take no names."""
   takes_class = isinstance(current, type) or bool(kinds and type in kinds)
-  if isinstance(current, (bool, int, float, str)) and not kinds:
-    takes = False
-  else:
-    takes = takes_class or current is None or _IsDType(current) or callable(current) or (
-        isinstance(current, (list, tuple, dict)))
+  takes = bool(kinds) or not isinstance(current, (bool, int, float, str))
 
   def Resolve(dotted):
     if not takes:
