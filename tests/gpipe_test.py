@@ -1456,8 +1456,9 @@ def testADeepCellsBackwardHoldsOneGradientSum(path):
   weights = 4 * sum(int(tf.size(v)) for v in pipe.trainable_variables)
   layer = weights // num_layers
   activations = 4 * rows * (MEM_DIM + MEM_HIDDEN) * num_layers
-  small = layer // 4  # The step's small tensors: micro-batch offsets, losses, flags.
-  assert peak <= 2 * weights + 2 * layer + activations + small, peak / weights
+  # One more layer for the step's small tensors (offsets, losses, flags) and what other tests
+  # of a shared process free or keep meanwhile; a second gradient sum would add num_layers.
+  assert peak <= 2 * weights + 3 * layer + activations, peak / weights
 
 
 def testGradientSumsAreNoPartOfTheModel(tmp_path):
