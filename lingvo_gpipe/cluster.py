@@ -343,7 +343,7 @@ def PipelineDevices(num_stages, num_replicas=1, split_size=None):
   if split < num_stages:
     raise ClusterError(f'worker_split_size={split} devices per pipeline is fewer than the '
                        f'{num_stages} pipeline stages of the model.')
-  available = devices_lib.AvailableDevices()
+  available = list(devices_lib.Current().devices)
   if len(available) < split * num_replicas:
     raise ClusterError(
         f'{num_replicas} pipeline replica(s) x {split} devices need {split * num_replicas} '
@@ -357,7 +357,7 @@ def InputDevice():
   Every pipeline's first stage is on the first available device (split 0,
   replica 0), so batches made there do not cross the network each step.
   """
-  first = tf.DeviceSpec.from_string(devices_lib.AvailableDevices()[0])
+  first = tf.DeviceSpec.from_string(devices_lib.Current().devices[0])
   return first.replace(device_type='CPU', device_index=0).to_string()
 
 

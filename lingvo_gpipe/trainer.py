@@ -59,6 +59,7 @@ from lingvo_gpipe import model_registry
 from lingvo_gpipe import pipeline_check
 from lingvo_gpipe import preemption
 from lingvo_gpipe import run_lock
+from lingvo_gpipe.core import devices as devices_lib
 from lingvo_gpipe.core import executor
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import memory_stats
@@ -77,9 +78,19 @@ flags.DEFINE_string('model', None, 'Registry key of the experiment, <domain>.<fi
                     'Params directories outside the package: env LINGVO_GPIPE_PARAMS.')
 flags.DEFINE_string('logdir', None, 'Checkpoints and summaries go to <logdir>/train, '
                     '<logdir>/eval_dev and <logdir>/eval_test.')
-flags.DEFINE_enum('run_locally', 'cpu', ['cpu', 'gpu'],
-                  'Local devices: cpu hides GPUs and runs the stages on logical CPU devices; '
-                  'gpu places the stages on the GPUs.')
+flags.DEFINE_enum('run_locally', 'auto', list(devices_lib.LOCAL_KINDS),
+                  'Local devices: auto is gpu when TensorFlow sees a GPU, else cpu; cpu hides '
+                  'GPUs and runs the stages on logical CPU devices; gpu places the stages on '
+                  'the GPUs (docs/gpus.md).')
+flags.DEFINE_bool('gpu_memory_growth', True,
+                  'GPUs allocate memory as needed; off, TensorFlow takes nearly all of every '
+                  'GPU this process sees at its first op (no second process fits beside it).')
+flags.DEFINE_integer('gpu_split_mb', None,
+                     'Split GPU 0 into one logical GPU of this many MB per stage: K stages on '
+                     'one GPU, for testing (memory growth does not apply).')
+flags.DEFINE_list('gpus', None,
+                  'Indices of the GPUs this process uses (a --job=worker given its own, as '
+                  'tools/local_cluster.py does); default: all.')
 flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params', 'list_models', 'check_pipeline'],
                   'sync: run the job; inspect_params: print the model params and exit; '
                   'list_models: print the registry keys with one-line descriptions and exit; '
@@ -211,7 +222,8 @@ class ClusterConfig:
           f'--job={FLAGS.job} needs a cluster with a {cluster_lib.WORKER_JOB} job: '
           f'--cluster_spec={cluster_lib.WORKER_JOB}=host:port,host:port or TF_CONFIG; got '
           f'{spec or "none"}.')
-    _CheckFlagsAtLeast(1, 'worker_split_size', 'num_cpu_devices', 'worker_replicas')
+    _CheckFlagsAtLeast(1, 'worker_split_size', 'num_cpu_devices', 'worker_replicas',
+                       'gpu_split_mb')
     _CheckFlagsAtLeast(0, 'worker_intra_op_threads', 'worker_inter_op_threads')
     if FLAGS.worker_timeout_secs <= 0:
       raise base_runner.UserError(
@@ -240,26 +252,21 @@ def PlacePipelines(params, split_size, replicas):
     p.num_replicas = replicas
 
 
-def ConfigureLocalDevices(run_locally, num_cpu_devices):
-  """Hides GPUs for cpu runs and makes num_cpu_devices logical CPU devices.
-
-  Must run before TensorFlow initialises its devices (its first op).
-  """
-  if run_locally == 'cpu':
-    tf.config.set_visible_devices([], 'GPU')
-  elif not tf.config.list_physical_devices('GPU'):
-    raise base_runner.UserError('--run_locally=gpu, but TensorFlow finds no GPU on this '
-                                'machine; use --run_locally=cpu.')
-  cpu = tf.config.list_physical_devices('CPU')[0]
+def ConfigureDevices(run_locally, num_devices):
+  """This process's devices from the flags (devices.ConfigureLocal), before TensorFlow's
+  first op; logs which it has."""
   try:
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * num_cpu_devices)
-  except RuntimeError:  # Devices are initialised already: keep them if they suffice.
-    have = len(tf.config.list_logical_devices('CPU'))
-    if have < num_cpu_devices:
-      raise base_runner.UserError(
-          f'TensorFlow initialised {have} CPU device(s) before {num_cpu_devices} could be '
-          'configured (the params ran TensorFlow ops when built).') from None
+    gpus = None if FLAGS.gpus is None else [int(i) for i in FLAGS.gpus]
+  except ValueError:
+    raise base_runner.UserError(f'--gpus takes GPU indices, e.g. 0,1; got {FLAGS.gpus}.') from None
+  try:
+    topology = devices_lib.ConfigureLocal(run_locally, num_devices, FLAGS.gpu_memory_growth,
+                                          FLAGS.gpu_split_mb, gpus)
+  except ValueError as e:
+    raise base_runner.UserError(str(e)) from None
+  logging.info('Devices: %d %s (%s).', len(topology.devices), topology.kind,
+               ', '.join(devices_lib.ShortName(d) for d in topology.devices))
+  return topology
 
 
 def _MakeWritableDir(path):
@@ -312,9 +319,10 @@ def _Describe(pipe):
        f'micro_batch_size={p.micro_batch_size}')
   replicas = f' x {p.num_replicas} replicas' if p.num_replicas > 1 else ''
   k = pipe.num_stages
+  stages = devices_lib.DescribeStages(pipe.devices[:k])
   return (f'{pipe.path}: {pipe.num_chunks} cells on K={k} device{"s" if k > 1 else ""} '
           f'(v={pipe.num_chunks // k}){replicas}, {m}, schedule '
-          f'{schedule_lib.Name(p.schedule)}, remat {p.remat}')
+          f'{schedule_lib.Name(p.schedule)}, remat {p.remat}; {stages}')
 
 
 def _CheckBuiltPipelines(task, batch_size):
@@ -574,6 +582,7 @@ def RunWorker(cluster):
   """Serves this process's devices as task cluster.task of the worker job, until killed."""
   if FLAGS.worker_memory_log_secs > 0:
     memory_stats.EnableStats()
+  ConfigureDevices(FLAGS.run_locally, 1)
   config = cluster_lib.ServerConfig(FLAGS.worker_intra_op_threads, FLAGS.worker_inter_op_threads)
   server = cluster_lib.StartServer(cluster.spec, cluster_lib.WORKER_JOB, cluster.task, config)
   if FLAGS.worker_memory_log_secs > 0:
@@ -618,7 +627,7 @@ def _SetUpLocalDevices(model_params, cluster):
     raise base_runner.UserError(
         f'--num_cpu_devices={given}, but the task\'s pipelines need {needed} devices: give at '
         'least that many, or leave the flag out to make them.')
-  ConfigureLocalDevices(FLAGS.run_locally, given or needed)
+  ConfigureDevices(FLAGS.run_locally, given or needed)
   if cluster.worker_replicas > 1 or cluster.worker_split_size:
     PlacePipelines(model_params.task, cluster.worker_split_size, cluster.worker_replicas)
 

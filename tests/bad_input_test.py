@@ -70,7 +70,7 @@ _FLAGS = [
     ['--worker_split_size=0'], ['--pipeline_stats_every=-1'], ['--task=-1'], ['--task=3'],
     ['--job=nonsense'], ['--mode=nonsense'], ['--run_locally=tpu'], ['--nonexistent_flag=1'],
     ['stray'], ['--balance_file=/nonexistent/plan.json'], ['--balance_file=/etc/hostname'],
-    ['--worker_memory_log_secs=nan'],
+    ['--worker_memory_log_secs=nan'], ['--gpus=a'], ['--gpu_split_mb=0'],
     ['--job=trainer_client', '--cluster_spec=worker=localhost:1', '--worker_timeout_secs=nan'],
     ['--job=trainer_client', '--cluster_spec=worker=localhost:1', '--worker_timeout_secs=inf'],
     ['--job=trainer_client', '--cluster_spec=worker=localhost:1', '--worker_timeout_secs=-1'],

@@ -149,7 +149,7 @@ def testTfConfigGivesTheClusterAndTaskUnlessFlagsDo(monkeypatch):
 
 def testPipelineDevicesAreReplicaMajorSplits(monkeypatch):
   names = [f'/job:worker/replica:0/task:{t}/device:CPU:0' for t in range(6)]
-  monkeypatch.setattr(devices_lib, 'AvailableDevices', lambda: names)
+  monkeypatch.setattr(devices_lib, 'Current', lambda: devices_lib.Topology('CPU', tuple(names)))
   assert cluster_lib.PipelineDevices(2) == names[:2]
   assert cluster_lib.PipelineDevices(2, num_replicas=2) == names[:4]
   assert cluster_lib.PipelineDevices(2, 2, split_size=3) == [names[0], names[1], names[3],
@@ -164,7 +164,7 @@ def testPipelineDevicesAreReplicaMajorSplits(monkeypatch):
 
 def testWorkerReplicasAndSplitSizeReachTheModelsPipelines(monkeypatch):
   names = [f'/job:worker/replica:0/task:{t}/device:CPU:0' for t in range(6)]
-  monkeypatch.setattr(devices_lib, 'AvailableDevices', lambda: names)
+  monkeypatch.setattr(devices_lib, 'Current', lambda: devices_lib.Topology('CPU', tuple(names)))
   params = trainer.base_runner.LoadModelParams('lm.synthetic.GPipeTransformerLmTiny', 'Train')
   stack = params.task.stack
   stages = pipeline_params.MaxStages(params.task)
@@ -437,3 +437,16 @@ def testTrainerClientFailsFastOnALostWorkerAndResumes(two_workers, tmp_path):
   assert all(lines), lines
   assert lines[0].group(1) == lines[1].group(1) == str(step + 2)
   np.testing.assert_allclose([float(lines[0].group(3))], [float(lines[1].group(3))], rtol=1e-5)
+
+
+def testEachLocalWorkerUsesItsOwnGpuWhereThereAreGpus(tmp_path):
+  """Workers on one host would each take every GPU; worker i gets GPU i mod their count."""
+  def Gpus(**kwargs):
+    cluster = local_cluster.LocalCluster(3, log_dir=str(tmp_path), **kwargs)
+    return [[a for a in cluster.Command(t) if a.startswith('--gpus')] for t in range(3)]
+
+  assert Gpus(num_gpus=2) == [['--gpus=0'], ['--gpus=1'], ['--gpus=0']]
+  assert Gpus() == [[], [], []]  # This machine has none.
+  command = local_cluster.LocalCluster(2, cpus=[1, 0], log_dir=str(tmp_path),
+                                       num_gpus=1).Command(1)
+  assert command[:3] == ['taskset', '-c', '0'] and command[-1] == '--gpus=0'

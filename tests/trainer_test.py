@@ -367,7 +367,10 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
        '--mode=check_pipeline --job=controller,trainer trains none'),
   ] + ([] if tf.config.list_physical_devices('GPU') else [
       ([model, logdir, '--run_locally=gpu'],
-       '--run_locally=gpu, but TensorFlow finds no GPU on this machine; use --run_locally=cpu.'),
+       'run_locally=gpu, but TensorFlow finds no GPU on this machine'),
+      ([model, logdir, '--gpus=0'], 'GPUs were named (gpus=[0], gpu_split_mb=None) for a run on '
+       "CPUs (run_locally='auto', 0 GPU(s) seen)."),
+      ([model, logdir, '--gpu_split_mb=512', '--run_locally=cpu'], 'gpu_split_mb=512'),
   ])
   for argv, message in cases:
     code, err = _MainInProcess(capsys, *argv)

@@ -134,12 +134,10 @@ def SetUpDevices(num_devices, intra_op_threads=0, inter_op_threads=0):
   """num_devices logical CPU devices and thread pools (0: TensorFlow's default); returns tf."""
   binaries.QuietTensorFlow()
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import devices  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
   memory_stats.EnableStats()
-  tf.config.set_visible_devices([], 'GPU')
-  cpus = tf.config.list_physical_devices('CPU')
-  tf.config.set_logical_device_configuration(
-      cpus[0], [tf.config.LogicalDeviceConfiguration()] * max(1, num_devices))
+  devices.ConfigureLocal('cpu', max(1, num_devices))
   tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
   tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
   return tf

@@ -20,7 +20,7 @@ the tool exits with its exit code once the workers are stopped:
 
 Each worker is `python -m lingvo_gpipe.trainer --job=worker` in its own process
 group, optionally pinned to a core (--cpus, with taskset) and given a number of
-threads. Ctrl-C, SIGTERM, SIGHUP or a worker that exits stops them all. Tests
+threads; on a machine with GPUs, worker i uses GPU i mod their count (--gpus). Ctrl-C, SIGTERM, SIGHUP or a worker that exits stops them all. Tests
 and tools use LocalCluster, a context manager that stops its workers however
 the block ends.
 """
@@ -44,6 +44,7 @@ binaries.QuietTensorFlow()  # Before lingvo_gpipe.cluster imports TensorFlow.
 
 # pylint: disable-next=g-import-not-at-top,wrong-import-position
 from lingvo_gpipe import cluster as cluster_lib
+import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 
 _HOST = 'localhost'
 
@@ -80,10 +81,13 @@ class LocalCluster:
     log_dir: where worker i writes worker<i>.log; default a new temporary directory.
     ready_timeout_secs: how long Start waits for the workers to answer.
     worker_args: more trainer flags for every worker (e.g. --worker_memory_log_secs=0.1).
+    num_gpus: the GPUs worker i may use is GPU i mod num_gpus (--gpus), so that
+      workers on one host do not each take every GPU; default: those TensorFlow
+      sees here (0 on a machine without: the workers run on their CPUs).
   """
 
   def __init__(self, num_workers, cpus=None, intra_op_threads=0, inter_op_threads=0,
-               log_dir=None, ready_timeout_secs=120, worker_args=()):
+               log_dir=None, ready_timeout_secs=120, worker_args=(), num_gpus=None):
     if num_workers < 1:
       raise ValueError(f'num_workers must be >= 1, got {num_workers}.')
     if cpus is not None and len(cpus) != num_workers:
@@ -97,6 +101,8 @@ class LocalCluster:
     self.spec = {cluster_lib.WORKER_JOB: self.addresses}
     self.spec_text = f'{cluster_lib.WORKER_JOB}=' + ','.join(self.addresses)
     self._procs = [None] * num_workers
+    self._num_gpus = len(tf.config.list_physical_devices('GPU')) if (
+        num_gpus is None) else num_gpus
 
   def __enter__(self):
     try:
@@ -120,14 +126,21 @@ class LocalCluster:
   def Pid(self, task):
     return self._procs[task].pid
 
-  def StartWorker(self, task):
-    """Starts worker `task` (again, after KillWorker), without waiting for it."""
+  def Command(self, task):
+    """The command line of worker `task`."""
     command = [sys.executable, '-m', 'lingvo_gpipe.trainer', '--job=worker', f'--task={task}',
                f'--cluster_spec={self.spec_text}',
                f'--worker_intra_op_threads={self._threads[0]}',
                f'--worker_inter_op_threads={self._threads[1]}', *self._worker_args]
+    if self._num_gpus:
+      command.append(f'--gpus={task % self._num_gpus}')
     if self._cpus is not None:
       command = ['taskset', '-c', str(self._cpus[task])] + command
+    return command
+
+  def StartWorker(self, task):
+    """Starts worker `task` (again, after KillWorker), without waiting for it."""
+    command = self.Command(task)
     with open(self.LogPath(task), 'a') as log:
       self._procs[task] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True)

@@ -196,8 +196,30 @@ def _Now(clock, device):
 
 def Stamp(clock, structure):
   """The time (seconds) on the clock's device once every tensor of `structure` exists."""
-  with tf.control_dependencies(_Tokens(structure)):
+  with tf.control_dependencies(CompletionTokens(structure)):
     return _Now(clock, clock.device)
+
+
+def CompletionTokens(structure):
+  """Tensors that exist once `structure`'s tensors are computed, not only launched.
+
+  A GPU runs a kernel after the op that launched it returns, so a control
+  dependency on a GPU tensor orders after the launch. A copy of its first element
+  to the host waits for the kernel: a stamp after it marks completion. CPU
+  tensors are done when their op returns.
+  """
+  tokens = []
+  for x in _Tokens(structure):
+    spec = tf.DeviceSpec.from_string(x.device)
+    if (spec.device_type or '').upper() != 'GPU' or x.dtype in (tf.resource, tf.variant,
+                                                                 tf.string):
+      tokens.append(x)
+      continue
+    with tf.device(x.device):
+      first = tf.reshape(x, [-1])[:1]
+    with tf.device(spec.replace(device_type='CPU', device_index=0)):
+      tokens.append(tf.identity(first))
+  return tokens
 
 
 class DeviceClocks:

@@ -1,10 +1,14 @@
-"""The CPU allocator's peak, the reference every memory figure and test is measured against.
+"""An allocator's peak, the reference every memory figure and test is measured against.
+
+Each GPU has its own allocator (with statistics); all logical CPU devices of a
+process share one, so 'CPU:0' sees the whole process, and a stage's own memory
+only when each stage is a worker process. By default these functions read this
+process's first GPU's allocator, else its CPU's.
 
 TensorFlow keeps allocator statistics on the CPU only when its CPU allocator is
 a BFC allocator: by default that is so with oneDNN on (most Intel CPUs) and not
 otherwise (e.g. AMD EPYC). `EnableStats()` asks for it explicitly; it must run
-before TensorFlow's first op creates the allocator. All logical CPU devices
-share the one allocator, so 'CPU:0' sees the whole process.
+before TensorFlow's first op creates the allocator.
 """
 
 import os
@@ -20,6 +24,14 @@ def EnableStats():
   os.environ.setdefault(_ENV, 'true')
 
 
+def _Default(device):
+  """`device`, or this process's first GPU (where its ops run by default), else its CPU."""
+  if device is not None:
+    return device
+  gpus = [d.name for d in tf.config.list_logical_devices('GPU') if '/job:worker' not in d.name]
+  return gpus[0] if gpus else 'CPU:0'
+
+
 def _Checked(call, device):
   """call(device), with a clear error when the allocator keeps no statistics."""
   try:
@@ -31,8 +43,9 @@ def _Checked(call, device):
         f'TensorFlow runs its first op.') from e
 
 
-def PeakBytes(fn, device='CPU:0'):
+def PeakBytes(fn, device=None):
   """(fn()'s result, the allocator's peak bytes while fn ran above the bytes live before)."""
+  device = _Default(device)
   _Checked(tf.config.experimental.reset_memory_stats, device)
   live = tf.config.experimental.get_memory_info(device)['current']
   result = fn()
@@ -44,7 +57,7 @@ _HEAD = 'allocator bytes:'
 _LOGGED = _HEAD + ' current={current} peak={peak} time={time:.6f}'
 
 
-def LogForever(interval_secs, device='CPU:0'):
+def LogForever(interval_secs, device=None):
   """Logs the allocator's current and peak bytes every interval_secs when they changed.
 
   A worker process serving one pipeline stage has the allocator to itself: its
@@ -56,6 +69,7 @@ def LogForever(interval_secs, device='CPU:0'):
   tracing step.
   """
   from absl import logging  # pylint: disable=g-import-not-at-top
+  device = _Default(device)
   last = None
   while True:
     info = _Checked(tf.config.experimental.get_memory_info, device)
