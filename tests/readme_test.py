@@ -1,4 +1,4 @@
-"""Runs every code block of README.md as a user would, so the README cannot go stale.
+"""Runs every code block of README.md and docs/*.md as a user would, so no page goes stale.
 
 An HTML comment before each fenced block says how the block is checked:
 
@@ -11,19 +11,24 @@ An HTML comment before each fenced block says how the block is checked:
                                       them on a fresh clone: checked to be among them, not run;
   <!-- readme_test: tree -->         every file and folder the listing names exists.
 
-A block without a comment fails. The blocks are tests in README order and share one
-temporary directory, so a block may use what an earlier one made. Two substitutions make
-the commands run here as written:
+A block without a comment fails. The blocks are tests in page order, README.md first, then
+docs/*.md by name; the blocks of one page share one temporary directory, so a block may use
+what an earlier block of its page made. Two substitutions make the commands run here as written:
   * `.venv/bin/python`, the environment the README's install makes, is this test's
     interpreter: run the test where this checkout is installed (as .ci/run's .venv is);
     testInterpreterImportsThisCheckout fails otherwise;
-  * `/tmp/` is the temporary directory, so runs start empty and leave /tmp alone.
+  * `/tmp/` is the page's temporary directory, so runs start empty and leave /tmp alone.
 Each run has a user's environment (no TF_CPP_MIN_LOG_LEVEL, no LINGVO_GPIPE_PARAMS) and
 passes when it exits 0 and prints no error-level line, traceback, retracing warning or
 TensorFlow INFO line that the binaries drop.
+
+Every relative link of a page names an existing file (and, after a '#', a heading of it);
+README.md links every docs/*.md page and is at most 10,000 characters.
 """
 
+import collections
 import dataclasses
+import glob
 import os
 import re
 import shlex
@@ -34,9 +39,14 @@ import sys
 import pytest
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The pages whose blocks run, in the order they run; paths relative to _ROOT.
+PAGES = ['README.md'] + sorted(os.path.relpath(p, _ROOT)
+                               for p in glob.glob(os.path.join(_ROOT, 'docs', '*.md')))
 _FENCE = re.compile(r'^```(\w*)\n(.*?)^```$', re.M | re.S)
 _MARKER = re.compile(r'<!-- readme_test: (\w+)(.*?)-->\n', re.S)
 _KINDS = ('run', 'file', 'ci', 'tree')
+_LINK = re.compile(r'\[[^\]]*\]\(([^)\s]+)\)')  # [text](target)
+_HEADING = re.compile(r'^#+ (.*)$', re.M)
 # Lines a healthy run does not print: error level (absl and TensorFlow's C++), tracebacks,
 # retracing warnings, TensorFlow INFO lines the binaries drop (those of its load, logged before
 # its logging starts, carry the time 0000 00:00).
@@ -46,6 +56,7 @@ _NOISE = re.compile(r'^[EF]\d{4} .*|^[IW]0000 00:00:.*|.*(Traceback|retracing|Sh
 
 @dataclasses.dataclass(frozen=True)
 class Block:
+  page: str  # One of PAGES.
   line: int  # Of the opening fence.
   kind: str  # One of _KINDS, or None without a marker.
   arg: str  # What follows the kind in the marker, whitespace collapsed.
@@ -53,29 +64,34 @@ class Block:
   code: str
 
   def __str__(self):
-    return f'README.md:{self.line} ({self.kind})'
+    return f'{self.page}:{self.line} ({self.kind})'
 
 
-def _Blocks():
-  with open(os.path.join(_ROOT, 'README.md')) as f:
-    text = f.read()
+def _Read(page):
+  with open(os.path.join(_ROOT, page)) as f:
+    return f.read()
+
+
+def _Blocks(page):
+  text = _Read(page)
   blocks = []
   for fence in _FENCE.finditer(text):
     before = text[:fence.start()]
     start = before.rfind('<!-- readme_test:')
     marker = _MARKER.fullmatch(before, start) if start >= 0 else None
     kind, arg = (marker.group(1), ' '.join(marker.group(2).split())) if marker else (None, '')
-    blocks.append(Block(text.count('\n', 0, fence.start()) + 1, kind, arg, fence.group(1),
+    blocks.append(Block(page, text.count('\n', 0, fence.start()) + 1, kind, arg, fence.group(1),
                         fence.group(2)))
   return blocks
 
 
-BLOCKS = _Blocks()
+BLOCKS = [block for page in PAGES for block in _Blocks(page)]
 
 
 @pytest.fixture(scope='module')
-def tmp(tmp_path_factory):
-  return str(tmp_path_factory.mktemp('readme'))
+def tmp_dirs(tmp_path_factory):
+  """page -> its temporary directory, which the page's blocks share."""
+  return collections.defaultdict(lambda: str(tmp_path_factory.mktemp('page')))
 
 
 def _AsHere(code, tmp):
@@ -155,8 +171,44 @@ def testEveryBlockSaysHowItIsChecked():
   assert BLOCKS and all(b.kind in _KINDS for b in BLOCKS), [str(b) for b in BLOCKS]
 
 
+def _Links(page):
+  """The link targets of a page's text, not of its code blocks or code spans."""
+  return _LINK.findall(re.sub(r'`[^`\n]*`', '', _FENCE.sub('', _Read(page))))
+
+
+def _Anchors(page):
+  """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces as '-'."""
+  return {re.sub(r'[^\w\- ]', '', h.strip().lower()).replace(' ', '-')
+          for h in _HEADING.findall(_FENCE.sub('', _Read(page)))}
+
+
+@pytest.mark.parametrize('page', PAGES)
+def testRelativeLinksResolve(page):
+  """Each relative link names an existing file and, after a '#', a heading of it."""
+  broken = []
+  for target in _Links(page):
+    if re.match(r'[a-z]+:', target):  # https:, mailto:
+      continue
+    path, _, anchor = target.partition('#')
+    path = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+    if not os.path.exists(os.path.join(_ROOT, path)):
+      broken.append(f'{target}: no file {path}')
+    elif anchor and path.endswith('.md') and anchor not in _Anchors(path):
+      broken.append(f'{target}: no heading of {path} has the anchor {anchor}')
+  assert not broken, f'{page}: ' + '; '.join(broken)
+
+
+def testReadmeLinksEveryDocsPageAndIsShort():
+  linked = {os.path.normpath(target.partition('#')[0]) for target in _Links('README.md')}
+  unlinked = [page for page in PAGES[1:] if page not in linked]
+  assert not unlinked, f'README.md links none of {unlinked}: add them to its Documentation list'
+  size = len(_Read('README.md').encode())
+  assert size <= 10000, f'README.md has {size} characters, more than 10,000: move some to docs/'
+
+
 @pytest.mark.parametrize('block', BLOCKS, ids=str)
-def testBlock(block, tmp):
+def testBlock(block, tmp_dirs):
+  tmp = tmp_dirs[block.page]
   if block.kind == 'ci':
     _CheckCi(block)
   elif block.kind == 'tree':
