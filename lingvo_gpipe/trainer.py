@@ -260,13 +260,11 @@ def ConfigureDevices(run_locally, num_devices):
   except ValueError:
     raise base_runner.UserError(f'--gpus takes GPU indices, e.g. 0,1; got {FLAGS.gpus}.') from None
   try:
-    topology = devices_lib.ConfigureLocal(run_locally, num_devices, FLAGS.gpu_memory_growth,
-                                          FLAGS.gpu_split_mb, gpus)
+    configured = devices_lib.ConfigureLocal(run_locally, num_devices, FLAGS.gpu_memory_growth,
+                                            FLAGS.gpu_split_mb, gpus)
   except ValueError as e:
     raise base_runner.UserError(str(e)) from None
-  logging.info('Devices: %d %s (%s).', len(topology.devices), topology.kind,
-               ', '.join(devices_lib.ShortName(d) for d in topology.devices))
-  return topology
+  logging.info('Devices: %s.', configured)
 
 
 def _MakeWritableDir(path):

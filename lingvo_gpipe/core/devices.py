@@ -77,7 +77,8 @@ def LocalKind(run_locally, num_gpus):
 
 
 def ConfigureLocal(run_locally, num_devices, memory_growth=True, gpu_split_mb=None, gpus=None):
-  """Sets this process's devices up; runs before TensorFlow's first op. Returns its Topology.
+  """Sets this process's devices up before TensorFlow's first op; returns what it set, in
+  words. (It leaves TensorFlow uninitialised: Current() would not.)
 
   Args:
     run_locally: 'cpu' (GPUs hidden; num_devices logical CPU devices stand in
@@ -100,16 +101,18 @@ def ConfigureLocal(run_locally, num_devices, memory_growth=True, gpu_split_mb=No
     _Apply(tf.config.set_visible_devices, [], 'GPU')
     _LogicalDevices(tf.config.list_physical_devices('CPU')[0], num_devices,
                     tf.config.LogicalDeviceConfiguration())
-  else:
-    chosen = physical if gpus is None else [_Gpu(physical, i) for i in gpus]
-    _Apply(tf.config.set_visible_devices, chosen, 'GPU')
-    if gpu_split_mb:
-      _LogicalDevices(chosen[0], num_devices,
-                      tf.config.LogicalDeviceConfiguration(memory_limit=gpu_split_mb))
-    elif memory_growth:
-      for gpu in chosen:
-        _Apply(tf.config.experimental.set_memory_growth, gpu, True)
-  return Current()
+    return f'{num_devices} logical CPU device{"s" if num_devices > 1 else ""}'
+  chosen = physical if gpus is None else [_Gpu(physical, i) for i in gpus]
+  _Apply(tf.config.set_visible_devices, chosen, 'GPU')
+  names = [d.name.replace('/physical_device:', '') for d in chosen]
+  if gpu_split_mb:
+    _LogicalDevices(chosen[0], num_devices,
+                    tf.config.LogicalDeviceConfiguration(memory_limit=gpu_split_mb))
+    return f'{names[0]} split into {num_devices} logical GPUs of {gpu_split_mb} MB'
+  if memory_growth:
+    for gpu in chosen:
+      _Apply(tf.config.experimental.set_memory_growth, gpu, True)
+  return f'{", ".join(names)} (memory growth {"on" if memory_growth else "off"})'
 
 
 def _Gpu(physical, index):
