@@ -150,7 +150,7 @@ def StartServer(spec, job, task, config=None):
 
   TensorFlow's gRPC server listens on every interface at the address's port
   (its C++ binds 0.0.0.0 and [::]; no API binds another address) and
-  authenticates no one: the start line says so (README: Security).
+  authenticates no one: the start line says so (docs/cluster.md: Security).
   """
   if job not in spec:
     raise ClusterError(f'The cluster spec has no {job!r} job: {spec}.')
@@ -167,7 +167,7 @@ def StartServer(spec, job, task, config=None):
     raise ClusterError(f'Cannot start {job} task {task} at {address}: {reason}.') from None
   logging.warning('%s task %d (%s in the cluster spec) listens on port %d of %s, '
                   'unauthenticated: whoever reaches the port can run any op as this user, '
-                  'reading and writing its files (README: Security).', job, task, address, port,
+                  'reading and writing its files (docs/cluster.md: Security).', job, task, address, port,
                   ListeningInterfaces())
   return server
 

@@ -6,9 +6,9 @@ r"""Starts N TensorFlow worker processes on free loopback ports and prints the c
       localhost:39555 --model=lm.synthetic.GPipeTransformerLmTiny --logdir=/tmp/lm
 
 A script runs it in the background with --spec_file=/tmp/spec.txt and waits for
-that file, which appears once every worker answers (README: a 2-process run).
+that file, which appears once every worker answers (docs/cluster.md: A cluster).
 
-TensorFlow's workers listen on every interface, unauthenticated (README:
+TensorFlow's workers listen on every interface, unauthenticated (docs/cluster.md:
 Security). --private_network closes that door: the workers and a command given
 after `--` run in a network namespace of their own that has only loopback
 (`unshare --user --net`, no root needed), the command gets --cluster_spec, and

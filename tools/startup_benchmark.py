@@ -37,6 +37,9 @@ bench_utils.DefineCounts('micro_batches', ['8', '32', '64', '256'], 'M values.')
 flags.DEFINE_list('schedules', list(schedule_lib.SCHEDULE_NAMES), 'Schedules.')
 flags.DEFINE_list('remat', ['always'], "Re-materialization modes ('always', 'except_last', "
                   "'never').")
+flags.DEFINE_list('loop_steady_state', ['true'],
+                  "PipeliningLayer.loop_steady_state values ('true': the steady state as one "
+                  "tf.while_loop; 'false': every action unrolled).")
 flags.DEFINE_integer('layers', 32, 'Layers of the residual MLP.', lower_bound=1)
 flags.DEFINE_integer('width', 32, 'Its width.', lower_bound=1)
 flags.DEFINE_integer('hidden', 64, 'Its hidden width.', lower_bound=1)
@@ -47,6 +50,7 @@ bench_utils.DefineCounts('trainer_micro_batches', ['64'],
 flags.DEFINE_integer('timeout', 900, 'Seconds one configuration may take.', lower_bound=1)
 bench_utils.CheckChoices('schedules', schedule_lib.SCHEDULE_NAMES)
 bench_utils.CheckChoices('remat', ('always', 'except_last', 'never'))
+bench_utils.CheckChoices('loop_steady_state', ('true', 'false'))
 bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
 flags.adopt_module_key_flags(bench_utils)
@@ -59,11 +63,12 @@ def _RunOne(config):
   from lingvo_gpipe.core import executor  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import py_utils  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import steady_state  # pylint: disable=g-import-not-at-top
   layer_params, shape = bench_utils.LayerParams(dict(config, model='mlp', rows=2 * m))
   cells = gpipe.PartitionSequentialLayers(layer_params, k * v, tf.TensorShape(shape))
   pipe = gpipe.PipeliningLayer.Params().Set(
       name='pipe', cell_tpl=cells, num_micro_batches=m, remat=config['remat'], schedule=sched,
-      virtual_stages=v).Instantiate()
+      virtual_stages=v, loop_steady_state=config['loop_steady_state']).Instantiate()
   executor.CreateGradientSums(pipe)  # As the trainer does before it traces.
   x = tf.random.stateless_normal(shape, [1, 2])
 
@@ -78,10 +83,12 @@ def _RunOne(config):
   first = bench_utils.Seconds(Run)
   step = bench_utils.MedianSeconds(Run, config['steps'])
   traces = Step.experimental_get_tracing_count()
-  nodes = len(Step.get_concrete_function(x).graph.as_graph_def().node)
+  graph = Step.get_concrete_function(x).graph
+  nodes = len(graph.as_graph_def().node)
   actions = len(pipe.GetSchedule(shape[0]).steps)
   return dict(config, first_call_s=round(first, 2), step_s=round(step, 4), nodes=nodes,
-              actions=actions, nodes_per_action=round(nodes / actions, 1), traces=traces)
+              actions=actions, nodes_per_action=round(nodes / actions, 1), traces=traces,
+              loops=steady_state.LoopsIn(graph))
 
 
 _STAMP = re.compile(r'^[IWE](\d{4}) (\d\d:\d\d:\d\d\.\d+)')
@@ -135,8 +142,10 @@ def _Grid():
     for m in map(int, FLAGS.micro_batches):
       for sched in FLAGS.schedules:
         for remat in FLAGS.remat:
-          yield dict(stages=k, micro_batches=m, schedule=sched, remat=remat, layers=FLAGS.layers,
-                     width=FLAGS.width, hidden=FLAGS.hidden, steps=FLAGS.steps)
+          for loop in FLAGS.loop_steady_state:
+            yield dict(stages=k, micro_batches=m, schedule=sched, remat=remat,
+                       loop_steady_state=loop == 'true', layers=FLAGS.layers,
+                       width=FLAGS.width, hidden=FLAGS.hidden, steps=FLAGS.steps)
 
 
 def main(argv):
@@ -152,7 +161,8 @@ def main(argv):
   total = len(grid) + len(runs)
   for i, config in enumerate(grid):
     bench_utils.Progress(i + 1, total, f"K={config['stages']} M={config['micro_batches']} "
-                         f"{config['schedule']} remat={config['remat']}")
+                         f"{config['schedule']} remat={config['remat']} "
+                         f"loop={config['loop_steady_state']}")
     results.append(bench_utils.RunIsolated(__file__, config, timeout=FLAGS.timeout))
   for i, (model, m) in enumerate(runs):
     bench_utils.Progress(len(grid) + i + 1, total, f'trainer {model} M={m or "own"}')
@@ -162,9 +172,11 @@ def main(argv):
     tables.append(bench_utils.MarkdownTable(results, [
         ('K', lambda r: r['stages']), ('M', lambda r: r['micro_batches']),
         ('schedule', lambda r: r['schedule']), ('remat', lambda r: r['remat']),
+        ('loop', lambda r: 'yes' if r['loop_steady_state'] else 'no'),
         ('first call s', lambda r: r['first_call_s']), ('step s', lambda r: r['step_s']),
         ('nodes', lambda r: r['nodes']), ('actions', lambda r: r['actions']),
-        ('nodes/action', lambda r: r['nodes_per_action']), ('traces', lambda r: r['traces'])]))
+        ('nodes/action', lambda r: r['nodes_per_action']), ('loops', lambda r: r['loops']),
+        ('traces', lambda r: r['traces'])]))
   if trainer:
     tables.append(bench_utils.MarkdownTable(trainer, [
         ('model', lambda r: r['model']), ('M', lambda r: r['micro_batches']),

@@ -39,6 +39,7 @@ import tensorflow as tf
 from lingvo_gpipe.core import microbatch
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import schedule as schedule_lib
+from lingvo_gpipe.core import steady_state
 from lingvo_gpipe.core import weight_grads
 
 # The scope of the variables the executor makes for itself (gradient sums, clocks): not
@@ -421,7 +422,8 @@ def _ZerosWhereNone(like, grads):
 
 
 def MicroBatchWheres(sizes, offsets):
-  """Per micro-batch, its (offset, size) as one int64 vector, from one table.
+  """(the table, per micro-batch its row): each micro-batch's (offset, size) as one int64
+  vector.
 
   Grappler specializes a function for each call with constant inputs (here:
   the micro-batch offset), which for K x M calls takes minutes; it does not
@@ -430,7 +432,7 @@ def MicroBatchWheres(sizes, offsets):
   """
   table = tf.cast(tf.stack([tf.stack([o, s]) for o, s in zip(offsets, sizes)]), tf.int64)
   table = tf.raw_ops.PlaceholderWithDefault(input=table, shape=[len(sizes), 2])
-  return tf.unstack(table)
+  return table, tf.unstack(table)
 
 
 def _Context(layer, where, step, training, updates=None):
@@ -460,10 +462,13 @@ class Pass:
     need_input_grads: whether a caller uses the gradients of the first chunk's
       arguments (MergedInputGradients); without, the first chunk's backward skips
       them: the projection that makes them is one of the chunk's matmuls.
+    batch: the replica's whole batch that micro_args split; where a schedule's
+      steady state runs as a loop, its micro-batches are taken from it.
   """
 
   def __init__(self, layer, replica, thetas, micro_args, remat, keep_inputs, step,
-               first_example, split=frozenset(), tracer=None, need_input_grads=True):
+               first_example, split=frozenset(), tracer=None, need_input_grads=True,
+               batch=None):
     self.layer = layer
     self.replica = replica
     self.training = py_utils.CurrentContext().training
@@ -487,7 +492,8 @@ class Pass:
     self.inputs = {(m, 0): args for m, args in enumerate(micro_args)}
     self.tapes = {}
     self.pending_w = {}
-    self.outputs = {}
+    self.outputs = {}  # The last chunk's outputs, kept for MergedOutputs (keep_outputs).
+    self.to_losses = {}  # Those a micro-batch's loss (L) takes next (losses_follow).
     self.acts = {}
     self.out_grads = {}
     self.act_grads = {}
@@ -500,6 +506,12 @@ class Pass:
     self.awaited = set()  # Actions whose device waits idle for their input (Replicas.Execute).
     self.updates = []
     self.wheres = {}  # Per device, each micro-batch's (offset, size) (_Where).
+    self.batch = batch  # The replica's rows, which micro_args split (for loops).
+    self.keep_outputs = True  # Whether MergedOutputs will be asked for.
+    self.losses_follow = False  # Whether L actions take micro-batches' outputs (Execute).
+    self.losses = []  # What on_loss returned for each L action, in order (Replicas.Execute).
+    self.loop = None  # (iteration, stride) while a loop's period is traced (_Index).
+    self.released = set()  # Micro-batches whose first forward ran (_Released).
     if keep_inputs:
       # Made now, not by the first backward: a backward may run where no variable can be
       # made (a tape's gradient, in a caller's function traced again).
@@ -526,12 +538,63 @@ class Pass:
 
   def _Where(self, m, device):
     """Micro-batch m's (offset in the whole batch, size) as the device's functions take it
-    (MicroBatchWheres, made once per device and pass)."""
+    (MicroBatchWheres, made once per device and pass; in a loop, the iteration's row)."""
     if device not in self.wheres:
       with tf.name_scope('micro_batch_wheres'):
         self.wheres[device] = MicroBatchWheres(
             self.sizes, [self.first_example + o for o in self.offsets])
-    return self.wheres[device][m]
+    table, rows = self.wheres[device]
+    return rows[m] if self.loop is None else tf.gather(table, self._Index(m))
+
+  # -- a steady state run as one loop (steady_state.RunLoop) ------------------------------------
+
+  def _Index(self, m):
+    """Micro-batch m as data ops take it: in a loop, that of the iteration (a tensor)."""
+    if self.loop is None:
+      return m
+    i, stride = self.loop
+    return m + i * stride
+
+  def _FirstArgs(self, m):
+    """Micro-batch m's arguments of the first chunk: in a loop, the iteration's rows of the
+    batch, taken where the batch is."""
+    if self.loop is None:
+      return self.inputs[(m, 0)]
+    return microbatch.Part(self.batch, self._Index(m), self.sizes[0], self.layer.params.batch_dim)
+
+  def MicroBatchRows(self, whole, parts, m):
+    """Micro-batch m's rows of `whole`, which `parts` splits as the inputs are (labels): in a
+    loop, the iteration's."""
+    if self.loop is None:
+      return parts[m]
+    return microbatch.Part(whole, self._Index(m), self.sizes[0], self.layer.params.batch_dim)
+
+  def CanLoop(self):
+    """Whether windows of a schedule may run as loops: traced, untimed, on micro-batches of
+    one size (steady_state.RunLoop checks the rest)."""
+    return (not tf.executing_eagerly() and self.tracer is None and self.batch is not None and
+            self.layer.params.loop_steady_state and
+            all(isinstance(n, int) and n == self.sizes[0] > 0 for n in self.sizes))
+
+  def SameTrace(self, a, b):
+    """Whether actions a and b of one kind and chunk may run as one traced call in a loop: no
+    tape kept across it (a forward not re-materialized keeps one), alike micro-batches."""
+    def Kind(action):
+      m = action.micro_batch
+      return self._Remat(m), (m, action.chunk) in self.split, action in self.awaited
+
+    remat, split, awaited = Kind(a)
+    return Kind(a) == Kind(b) and (remat or split) and not awaited
+
+  def CloseTokens(self):
+    """Makes each device's tokens one tensor (a loop's variables keep one structure) and
+    every chunk's gradient sum started."""
+    for c in range(self.num_chunks):
+      self._LastAdd(c, [])
+    for tokens in (self.tokens, self.earlier_tokens):
+      for k, waits in enumerate(tokens):
+        with tf.control_dependencies(waits):
+          tokens[k] = [tf.constant(True)]
 
   def _Begin(self, device, inputs):
     """What the device's next call waits for (its previous action, the start stamp) and the
@@ -573,7 +636,7 @@ class Pass:
     once the first device has run its action before last: a batch held elsewhere (in a
     host's memory, on the client) then reaches the first device a micro-batch or two at a
     time, while its previous action runs, not all of it when the step starts."""
-    args = self.inputs[(m, 0)]
+    args = self._FirstArgs(m)
     if tf.executing_eagerly() or not self.earlier_tokens[device]:
       return args
 
@@ -596,6 +659,7 @@ class Pass:
     key = (m, c)
     if c == 0:
       self.inputs[key] = self._Released(m, device)
+      self.released.add(m)
     args = self.inputs[key]
     waits, start = self._Begin(device, args)
     taped = not (self._Remat(m) or key in self.split)
@@ -616,7 +680,10 @@ class Pass:
       self.inputs[(m, c + 1)], handed_over = self._HandOver(
           c, schedule_lib.Action(F, m, c + 1), out)
     else:
-      self.outputs[m] = out
+      if self.keep_outputs:
+        self.outputs[m] = out
+      if self.losses_follow:
+        self.to_losses[m] = out
     return self._End(device, action, start, (out, acts), handed_over=handed_over)
 
   def _GradsIn(self, m, c):
@@ -727,7 +794,7 @@ class Pass:
     acts = py_utils.NestedMap()
     for c in range(self.num_chunks):
       acts.update(self.acts[(m, c)])
-    return self.outputs[m], acts
+    return self.to_losses.pop(m), acts
 
   def SetMicroBatchOutputGradients(self, m, d_outputs, d_acts):
     self.out_grads[(m, self.num_chunks - 1)] = d_outputs
@@ -771,7 +838,7 @@ class Replicas:
   """
 
   def __init__(self, layer, thetas, args, num_micro_batches, remat, step, keep_inputs=True,
-               split=frozenset(), tracer=None, need_input_grads=True):
+               split=frozenset(), tracer=None, need_input_grads=True, keep_outputs=True):
     self._layer = layer
     batch_dim = layer.params.batch_dim
     parts = microbatch.Split(args, layer.num_replicas, batch_dim) if (
@@ -781,29 +848,57 @@ class Replicas:
         Pass(layer, r, layer.ReplicaThetas(thetas, r),
              microbatch.Split(part, num_micro_batches, batch_dim), remat, keep_inputs, step,
              first_example=first, split=split, tracer=tracer,
-             need_input_grads=need_input_grads)
+             need_input_grads=need_input_grads, batch=part)
         for r, (part, first) in enumerate(zip(parts, firsts))]
+    for one in self.passes:
+      one.keep_outputs = keep_outputs
+    self._whole_batch_losses = []
 
   def Execute(self, actions, on_loss=None):
-    """Runs the actions, each on every replica.
+    """Runs the actions, each on every replica; a stretch that repeats itself (a steady
+    state, steady_state.Windows) runs as one loop.
 
-    on_loss(pass, m) computes micro-batch m's loss and sets its output gradients
-    (SetMicroBatchOutputGradients); on_loss(None, ALL), for a whole-batch L(*),
-    those of every replica (SetOutputGradients).
+    on_loss(pass, m) computes micro-batch m's loss, sets its output gradients
+    (SetMicroBatchOutputGradients) and returns its metrics; on_loss(None, ALL), for
+    a whole-batch L(*), those of every replica
+    (SetOutputGradients); `losses` keeps what they return.
     """
     awaited = _FirstActions(actions, self._layer.placement)
     for one in self.passes:
       one.awaited = awaited
-    for action in actions:
-      if action.kind == L and action.micro_batch == schedule_lib.ALL:
-        on_loss(None, schedule_lib.ALL)
-      elif action.kind == L:
-        for one in self.passes:
-          with tf.device(one.devices[action.chunk]):
-            on_loss(one, action.micro_batch)
-      else:
-        for one in self.passes:
-          one.Run(action)
+      one.losses_follow = any(a.kind == L and a.micro_batch != schedule_lib.ALL
+                              for a in actions)
+    done = 0
+    for window in self._Windows(actions):
+      for action in actions[done:window.start]:
+        self._Run(action, on_loss)
+      period = actions[window.start:window.start + window.period]
+      try:
+        steady_state.RunLoop(self.passes[0], period, window.repeats, window.stride,
+                             lambda a: self._Run(a, on_loss))
+      except steady_state.NotPeriodic:  # E.g. fill-drain: all its inputs stay in flight.
+        for action in actions[window.start:window.end]:
+          self._Run(action, on_loss)
+      done = window.end
+    for action in actions[done:]:
+      self._Run(action, on_loss)
+
+  def _Windows(self, actions):
+    one = self.passes[0]
+    if len(self.passes) > 1 or not one.CanLoop():
+      return []
+    return steady_state.Windows(actions, one.SameTrace)
+
+  def _Run(self, action, on_loss):
+    if action.kind == L and action.micro_batch == schedule_lib.ALL:
+      self._whole_batch_losses.append(on_loss(None, schedule_lib.ALL))
+    elif action.kind == L:
+      for one in self.passes:
+        with tf.device(one.devices[action.chunk]):
+          one.losses.append(on_loss(one, action.micro_batch))
+    else:
+      for one in self.passes:
+        one.Run(action)
 
   def _Merge(self, values):
     return values[0] if len(values) == 1 else microbatch.Merge(values, self._layer.params.batch_dim)
@@ -834,6 +929,12 @@ class Replicas:
         sums.append(tf.nest.map_structure(lambda *g: tf.add_n(list(g)),
                                           *[grads[c] for grads in per_replica]))
     return sums
+
+  @property
+  def losses(self):
+    """What on_loss returned, per L action and replica, in the order they ran."""
+    per_action = zip(*[one.losses for one in self.passes])
+    return self._whole_batch_losses + [loss for losses in per_action for loss in losses]
 
   @property
   def updates(self):

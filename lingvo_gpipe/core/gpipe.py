@@ -133,6 +133,12 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('num_replicas', 1,
              'R data-parallel copies of the pipeline, each on 1/R of the batch; `devices` then '
              'lists R x K devices, replica r stage k at devices[r * K + k].')
+    p.Define('loop_steady_state', True,
+             "Run a traced schedule's steady state (its stretch that repeats for micro-batch "
+             'after micro-batch: core/steady_state.py) as one tf.while_loop, so that tracing '
+             'and graph optimization do not grow with M; the actions and their order stay '
+             "the schedule's. Needs equal micro-batches; forwards kept on a tape (remat "
+             "'never') stay unrolled.")
     p.Define('jit_compile', False,
              "Compile each cell's forward and backward step with XLA (placement and the "
              "pipeline between the steps stay outside the compiled functions); needs remat="
@@ -399,8 +405,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     # Only `before` layers take the gradients of the cells' arguments.
     run = executor.Replicas(self, self._ChunkThetas(theta), args, num, self.params.remat,
                             self._Step(), split=_SplitBackwards(sched), tracer=self._Tracer(),
-                            need_input_grads=before_tape is not None)
-    metrics = []  # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
+                            need_input_grads=before_tape is not None,
+                            keep_outputs=with_outputs or sched.whole_batch_loss)
     micro_loss_fn = None if sched.whole_batch_loss else metrics_lib.MicroBatchLoss(
         loss_fn, num * self.num_replicas, rows, self.params.batch_dim,
         schedule_lib.Name(self.params.schedule), self._loss_verdicts)
@@ -413,15 +419,18 @@ class PipeliningLayer(base_layer.BaseLayer):
       else:
         outputs, acts = one.MicroBatchOutputs(m)
         batch_metrics, d_outputs, d_acts = self._LossGradients(
-            micro_loss_fn, outputs, acts, None if labels is None else label_parts[one.replica][m])
+            micro_loss_fn, outputs, acts, None if labels is None else one.MicroBatchRows(
+                *label_parts[one.replica], m))
         one.SetMicroBatchOutputGradients(m, d_outputs, d_acts)
-      metrics.append(batch_metrics)
+      # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
+      return batch_metrics
 
     with tf.device(self.ReplicaDevices(0)[-1]):
       label_parts = None if labels is None or sched.whole_batch_loss else self._SplitLabels(
           labels, num)
       run.Execute([s.action for s in sched.steps], OnLoss)
     base_layer.ApplyRecordedUpdates(run.updates)
+    metrics = run.losses
     merged = metrics_lib.MergeMetrics([m for m, _ in metrics])
     # The backward differentiated value * weight of each call: divide by the total weight.
     scale = 1.0 / merged.loss[1]
@@ -489,12 +498,12 @@ class PipeliningLayer(base_layer.BaseLayer):
     return tf.nest.pack_sequence_as(theta.before, grads)
 
   def _SplitLabels(self, labels, num):
-    """Per replica, per micro-batch, its rows of `labels`: split as executor.Replicas splits
-    the inputs (replicas first, then micro-batches)."""
+    """Per replica, (its rows of `labels`, their micro-batches): split as executor.Replicas
+    splits the inputs (replicas first, then micro-batches)."""
     batch_dim = self.params.batch_dim
     parts = microbatch.Split(labels, self.num_replicas, batch_dim) if (
         self.num_replicas > 1) else [labels]
-    return [microbatch.Split(part, num, batch_dim) for part in parts]
+    return [(part, microbatch.Split(part, num, batch_dim)) for part in parts]
 
   def _LossGradients(self, loss_fn, outputs, acts, labels=None):
     """loss_fn's metrics and the gradients of value * weight of their loss: 0 for a weight

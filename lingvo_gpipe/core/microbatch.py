@@ -122,6 +122,21 @@ def Split(structure, num_parts, batch_dim=0):
           for m in range(num_parts)]
 
 
+def Part(structure, index, size, batch_dim=0):
+  """Micro-batch `index` (an int or a tensor) of parts of `size` rows: as Split's part when
+  they are of one size. Made where each tensor is."""
+  def Leaf(x):
+    if not isinstance(x, (tf.Tensor, tf.Variable)):
+      return x
+    begin = [0] * x.shape.rank
+    begin[batch_dim] = index * size
+    sizes = [-1] * x.shape.rank
+    sizes[batch_dim] = size
+    with tf.device(None), tf.device(x.device):
+      return tf.slice(x, tf.stack(begin), sizes)
+  return tf.nest.map_structure(Leaf, structure)
+
+
 def Merge(micro_batches, batch_dim=0):
   """Concatenates M structures back into one batch (inverse of Split)."""
   flats = [tf.nest.flatten(mb) for mb in micro_batches]

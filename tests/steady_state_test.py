@@ -1,0 +1,134 @@
+"""steady_state: the stretches of each schedule that repeat, and a pipeline running them as a
+loop equal to the same actions run one by one (which the other suites check against the plain
+model)."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from lingvo_gpipe.core import executor
+from lingvo_gpipe.core import gpipe
+from lingvo_gpipe.core import layers
+from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import schedule as schedule_lib
+from lingvo_gpipe.core import steady_state
+
+_V = {'interleaved_1f1b': 2, 'zbv': 2}
+_SCHEDULES = list(schedule_lib.SCHEDULE_NAMES)
+
+
+def _Actions(name, k, m):
+  return [s.action for s in schedule_lib.Schedule(name, k, m, _V.get(name, 1)).steps]
+
+
+@pytest.mark.parametrize('name', _SCHEDULES)
+def testAWindowIsItsPeriodRepeatedWithMicroBatchesFurtherOn(name):
+  actions = _Actions(name, 4, 16)
+  windows = steady_state.Windows(actions)
+  firsts = {}
+  for i, a in enumerate(actions):
+    firsts.setdefault((a.kind, a.chunk), i)
+  end = 0
+  for w in windows:
+    assert w.start >= end and w.repeats >= steady_state.MIN_REPEATS
+    end = w.end
+    period = actions[w.start:w.start + w.period]
+    repeated = [schedule_lib.Action(a.kind, a.micro_batch + r * w.stride, a.chunk)
+                for r in range(w.repeats) for a in period]
+    assert actions[w.start:w.end] == repeated
+    assert all(firsts[(a.kind, a.chunk)] < w.start for a in period)  # Traced before.
+
+
+@pytest.mark.parametrize('name,covered', [('1f1b', 0.6), ('zb_h1', 0.6), ('gpipe', 0.8)])
+def testMostOfADeepPipelineIsItsSteadyState(name, covered):
+  actions = _Actions(name, 8, 64)
+  inside = sum(w.end - w.start for w in steady_state.Windows(actions))
+  assert inside >= covered * len(actions), (inside, len(actions))
+
+
+def testAShortPipelineHasNoSteadyState():
+  assert steady_state.Windows(_Actions('1f1b', 4, 4)) == []
+
+
+def testWindowsHoldOnlyActionsThatShareATrace():
+  actions = _Actions('1f1b', 2, 12)
+  assert steady_state.Windows(actions, same=lambda a, b: False) == []
+
+
+def _Pipeline(sched, remat, loop, m=12, rows=24, before=False):
+  ff = layers.TransformerFeedForwardLayer.Params().Set(input_dim=8, hidden_dim=16)
+  v = _V.get(sched, 1)
+  cells = gpipe.PartitionSequentialLayers([ff.Copy() for _ in range(4 * v)], 2 * v,
+                                          tf.TensorShape([rows, 8]))
+  p = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=cells, num_micro_batches=m, remat=remat, schedule=sched,
+      virtual_stages=v, loop_steady_state=loop, random_seed=5)
+  if before:
+    p.before_tpl = [layers.ProjectionLayer.Params().Set(name='proj', input_dim=8,
+                                                        output_dim=8)]
+  pipe = p.Instantiate()
+  executor.CreateGradientSums(pipe)
+  return pipe
+
+
+def _Run(pipe, rows=24):
+  x = tf.random.stateless_normal([rows, 8], [1, 2])
+  labels = tf.random.stateless_normal([rows, 8], [3, 4])
+
+  @tf.function(autograph=False)
+  def Step(x, labels):
+    with py_utils.Context(step=tf.constant(0, tf.int64)):
+      return pipe.ForwardBackward(pipe.theta, x, lambda y, t: tf.reduce_mean(tf.square(y - t)),
+                                  labels=labels, with_outputs=True)
+
+  result = tf.nest.map_structure(lambda t: t.numpy(), Step(x, labels))
+  loops = steady_state.LoopsIn(Step.get_concrete_function(x, labels).graph)
+  return result, loops, Step.experimental_get_tracing_count()
+
+
+@pytest.mark.parametrize('remat', ['always', 'except_last'])
+@pytest.mark.parametrize('sched', _SCHEDULES)
+def testALoopedSteadyStateEqualsTheActionsOneByOne(sched, remat):
+  looped, loops, traces = _Run(_Pipeline(sched, remat, loop=True))
+  unrolled, none, _ = _Run(_Pipeline(sched, remat, loop=False))
+  assert none == 0 and traces == 1
+  # Fill-drain keeps every micro-batch in flight: no period leaves what it found.
+  assert loops == (0 if sched == 'gpipe' else 1), loops
+  for a, b in zip(tf.nest.flatten(looped), tf.nest.flatten(unrolled)):
+    # Grappler may merge a loss's weights (constants unrolled) in another order: rounding.
+    np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize('sched', ['1f1b', 'zb_h1'])
+def testOneFOneBAndZbH1LoopsAreBitwiseTheActionsOneByOne(sched):
+  looped, loops, _ = _Run(_Pipeline(sched, 'always', loop=True, before=True))
+  unrolled, _, _ = _Run(_Pipeline(sched, 'always', loop=False, before=True))
+  assert loops == 1
+  for a, b in zip(tf.nest.flatten(looped), tf.nest.flatten(unrolled)):
+    np.testing.assert_array_equal(a, b)
+
+
+def testUnevenMicroBatchesAndForwardsOnATapeRunOneByOne():
+  """A loop's variables keep their shapes; a forward kept on a tape keeps it past its call."""
+  uneven, loops, _ = _Run(_Pipeline('1f1b', 'always', loop=True, rows=19), rows=19)
+  assert loops == 0
+  reference, _, _ = _Run(_Pipeline('1f1b', 'always', loop=False, rows=19), rows=19)
+  for a, b in zip(tf.nest.flatten(uneven), tf.nest.flatten(reference)):
+    np.testing.assert_array_equal(a, b)
+  assert _Run(_Pipeline('1f1b', 'never', loop=True))[1] == 0
+
+
+def testADeepPipelinesGraphHoldsFewerCallsLooped():
+  def Calls(loop):
+    pipe = _Pipeline('1f1b', 'always', loop, m=32, rows=32)
+    x = tf.zeros([32, 8])
+
+    @tf.function(autograph=False)
+    def Step():
+      with py_utils.Context(step=tf.constant(0, tf.int64)):
+        return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean(y))
+
+    graph = Step.get_concrete_function().graph
+    return sum(op.type == 'StatefulPartitionedCall' for op in graph.get_operations())
+
+  assert Calls(True) * 3 < Calls(False)
