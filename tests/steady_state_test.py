@@ -132,3 +132,30 @@ def testADeepPipelinesGraphHoldsFewerCallsLooped():
     return sum(op.type == 'StatefulPartitionedCall' for op in graph.get_operations())
 
   assert Calls(True) * 3 < Calls(False)
+
+
+def testByDefaultOnlySchedulesWithoutASplitBackwardLoop():
+  """Zero-bubble loops measured slower steps (docs/startup_measured.md): 'auto' unrolls them."""
+  assert _Run(_Pipeline('1f1b', 'always', loop='auto'))[1] == 1
+  assert _Run(_Pipeline('zb_h1', 'always', loop='auto'))[1] == 0
+  with pytest.raises(ValueError, match=r"loop_steady_state must be True, False or 'auto', got "
+                     "'yes'"):
+    _Pipeline('1f1b', 'always', loop='yes')
+
+
+@pytest.mark.parametrize('sched', ['1f1b', 'zb_h1'])
+def testALoopedStepGivesTheSameNumbersEveryTime(sched):
+  """The loop's function has no automatic control dependencies: its own tokens order it."""
+  pipe = _Pipeline(sched, 'always', loop=True)
+  x = tf.random.stateless_normal([24, 8], [1, 2])
+
+  @tf.function(autograph=False)
+  def Step():
+    with py_utils.Context(step=tf.constant(0, tf.int64)):
+      return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean(tf.square(y)))
+
+  first = tf.nest.flatten(tf.nest.map_structure(lambda t: t.numpy(), Step()))
+  for _ in range(15):
+    again = tf.nest.flatten(tf.nest.map_structure(lambda t: t.numpy(), Step()))
+    for a, b in zip(first, again):
+      np.testing.assert_array_equal(a, b)

@@ -37,9 +37,9 @@ bench_utils.DefineCounts('micro_batches', ['8', '32', '64', '256'], 'M values.')
 flags.DEFINE_list('schedules', list(schedule_lib.SCHEDULE_NAMES), 'Schedules.')
 flags.DEFINE_list('remat', ['always'], "Re-materialization modes ('always', 'except_last', "
                   "'never').")
-flags.DEFINE_list('loop_steady_state', ['true'],
+flags.DEFINE_list('loop_steady_state', ['auto'],
                   "PipeliningLayer.loop_steady_state values ('true': the steady state as one "
-                  "tf.while_loop; 'false': every action unrolled).")
+                  "tf.while_loop; 'false': every action unrolled; 'auto': the default).")
 flags.DEFINE_integer('layers', 32, 'Layers of the residual MLP.', lower_bound=1)
 flags.DEFINE_integer('width', 32, 'Its width.', lower_bound=1)
 flags.DEFINE_integer('hidden', 64, 'Its hidden width.', lower_bound=1)
@@ -50,7 +50,8 @@ bench_utils.DefineCounts('trainer_micro_batches', ['64'],
 flags.DEFINE_integer('timeout', 900, 'Seconds one configuration may take.', lower_bound=1)
 bench_utils.CheckChoices('schedules', schedule_lib.SCHEDULE_NAMES)
 bench_utils.CheckChoices('remat', ('always', 'except_last', 'never'))
-bench_utils.CheckChoices('loop_steady_state', ('true', 'false'))
+bench_utils.CheckChoices('loop_steady_state', ('auto', 'true', 'false'))
+_LOOP = {'auto': 'auto', 'true': True, 'false': False}
 bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
 flags.adopt_module_key_flags(bench_utils)
@@ -144,7 +145,7 @@ def _Grid():
         for remat in FLAGS.remat:
           for loop in FLAGS.loop_steady_state:
             yield dict(stages=k, micro_batches=m, schedule=sched, remat=remat,
-                       loop_steady_state=loop == 'true', layers=FLAGS.layers,
+                       loop_steady_state=_LOOP[loop], layers=FLAGS.layers,
                        width=FLAGS.width, hidden=FLAGS.hidden, steps=FLAGS.steps)
 
 
@@ -172,7 +173,7 @@ def main(argv):
     tables.append(bench_utils.MarkdownTable(results, [
         ('K', lambda r: r['stages']), ('M', lambda r: r['micro_batches']),
         ('schedule', lambda r: r['schedule']), ('remat', lambda r: r['remat']),
-        ('loop', lambda r: 'yes' if r['loop_steady_state'] else 'no'),
+        ('loop_steady_state', lambda r: r['loop_steady_state']),
         ('first call s', lambda r: r['first_call_s']), ('step s', lambda r: r['step_s']),
         ('nodes', lambda r: r['nodes']), ('actions', lambda r: r['actions']),
         ('nodes/action', lambda r: r['nodes_per_action']), ('loops', lambda r: r['loops']),

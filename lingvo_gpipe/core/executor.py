@@ -572,8 +572,9 @@ class Pass:
   def CanLoop(self):
     """Whether windows of a schedule may run as loops: traced, untimed, on micro-batches of
     one size (steady_state.RunLoop checks the rest)."""
+    loop = self.layer.params.loop_steady_state
     return (not tf.executing_eagerly() and self.tracer is None and self.batch is not None and
-            self.layer.params.loop_steady_state and
+            (loop is True or (loop == 'auto' and not self.split)) and
             all(isinstance(n, int) and n == self.sizes[0] > 0 for n in self.sizes))
 
   def SameTrace(self, a, b):
@@ -594,7 +595,8 @@ class Pass:
     for tokens in (self.tokens, self.earlier_tokens):
       for k, waits in enumerate(tokens):
         with tf.control_dependencies(waits):
-          tokens[k] = [tf.constant(True)]
+          # Not a constant, which Grappler would fold without its dependencies.
+          tokens[k] = [tf.raw_ops.PlaceholderWithDefault(input=True, shape=[])]
 
   def _Begin(self, device, inputs):
     """What the device's next call waits for (its previous action, the start stamp) and the

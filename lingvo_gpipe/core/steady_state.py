@@ -236,9 +236,11 @@ def _Loop(one, period, repeats, stride, run):
 
   # Without automatic control dependencies: in a tf.function they make every value an
   # iteration hands on wait for all of its stateful ops (the calls), so no iteration would
-  # start before the last ended. Each device's order is the actions' own tokens.
+  # start before the last ended; each device's order is the actions' own tokens. Not
+  # inlined: inlined, such a function has no control outputs, and what was ordered after
+  # its call no longer was (the weight gradients came out different in 1 to 27 of 30 steps).
   @py_utils.DistinctFunction(autograph=False, name='steady_state',
-                             experimental_attributes={'_disable_acd': True})
+                             experimental_attributes={'_disable_acd': True, '_noinline': True})
   def Loop(tensors):
     arrays = [tf.TensorArray(dtype, size=repeats, element_shape=shape)
               for dtype, shape in specs]
