@@ -223,7 +223,7 @@ def testHealthyRunLogsNoErrorsAndNoTensorFlowInfo(tmp_path):
   assert 'from step 0 to train.max_steps=4 (--max_steps=N to change)' in err
   # How the pipeline runs: the toy's 2 layers, each a cell, its M=2, the default schedule.
   assert re.search(r'Pipeline \S+/pipe: 2 cells on K=2 devices \(v=1\), M=2, schedule gpipe, '
-                   r'remat always\.', err), err[-3000:]
+                   r'remat always; stage 0 on CPU:0, stage 1 on CPU:1\.', err), err[-3000:]
   noise = [line for line in err.splitlines()
            if re.match(r'[EF]\d{4} |[IW]0000 00:00:', line) or 'Sharding callback' in line or
            'retracing' in line]
