@@ -134,12 +134,10 @@ def testADeepPipelinesGraphHoldsFewerCallsLooped():
   assert Calls(True) * 3 < Calls(False)
 
 
-def testByDefaultOnlySchedulesWithoutASplitBackwardLoop():
-  """Zero-bubble loops measured slower steps (docs/startup_measured.md): 'auto' unrolls them."""
-  assert _Run(_Pipeline('1f1b', 'always', loop='auto'))[1] == 1
-  assert _Run(_Pipeline('zb_h1', 'always', loop='auto'))[1] == 0
-  with pytest.raises(ValueError, match=r"loop_steady_state must be True, False or 'auto', got "
-                     "'yes'"):
+def testLoopsAreAskedFor():
+  """Loops measured slower steps (docs/startup_measured.md): a pipeline runs none unasked."""
+  assert not gpipe.PipeliningLayer.Params().loop_steady_state
+  with pytest.raises(ValueError, match="loop_steady_state must be True or False, got 'yes'"):
     _Pipeline('1f1b', 'always', loop='yes')
 
 

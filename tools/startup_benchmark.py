@@ -37,9 +37,9 @@ bench_utils.DefineCounts('micro_batches', ['8', '32', '64', '256'], 'M values.')
 flags.DEFINE_list('schedules', list(schedule_lib.SCHEDULE_NAMES), 'Schedules.')
 flags.DEFINE_list('remat', ['always'], "Re-materialization modes ('always', 'except_last', "
                   "'never').")
-flags.DEFINE_list('loop_steady_state', ['auto'],
+flags.DEFINE_list('loop_steady_state', ['false', 'true'],
                   "PipeliningLayer.loop_steady_state values ('true': the steady state as one "
-                  "tf.while_loop; 'false': every action unrolled; 'auto': the default).")
+                  "tf.while_loop; 'false', the default: every action unrolled).")
 flags.DEFINE_integer('layers', 32, 'Layers of the residual MLP.', lower_bound=1)
 flags.DEFINE_integer('width', 32, 'Its width.', lower_bound=1)
 flags.DEFINE_integer('hidden', 64, 'Its hidden width.', lower_bound=1)
@@ -50,8 +50,7 @@ bench_utils.DefineCounts('trainer_micro_batches', ['64'],
 flags.DEFINE_integer('timeout', 900, 'Seconds one configuration may take.', lower_bound=1)
 bench_utils.CheckChoices('schedules', schedule_lib.SCHEDULE_NAMES)
 bench_utils.CheckChoices('remat', ('always', 'except_last', 'never'))
-bench_utils.CheckChoices('loop_steady_state', ('auto', 'true', 'false'))
-_LOOP = {'auto': 'auto', 'true': True, 'false': False}
+bench_utils.CheckChoices('loop_steady_state', ('true', 'false'))
 bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
 flags.adopt_module_key_flags(bench_utils)
@@ -145,7 +144,7 @@ def _Grid():
         for remat in FLAGS.remat:
           for loop in FLAGS.loop_steady_state:
             yield dict(stages=k, micro_batches=m, schedule=sched, remat=remat,
-                       loop_steady_state=_LOOP[loop], layers=FLAGS.layers,
+                       loop_steady_state=loop == 'true', layers=FLAGS.layers,
                        width=FLAGS.width, hidden=FLAGS.hidden, steps=FLAGS.steps)
 
 

@@ -572,9 +572,8 @@ class Pass:
   def CanLoop(self):
     """Whether windows of a schedule may run as loops: traced, untimed, on micro-batches of
     one size (steady_state.RunLoop checks the rest)."""
-    loop = self.layer.params.loop_steady_state
     return (not tf.executing_eagerly() and self.tracer is None and self.batch is not None and
-            (loop is True or (loop == 'auto' and not self.split)) and
+            self.layer.params.loop_steady_state and
             all(isinstance(n, int) and n == self.sizes[0] > 0 for n in self.sizes))
 
   def SameTrace(self, a, b):
