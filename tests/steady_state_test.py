@@ -157,3 +157,21 @@ def testALoopedStepGivesTheSameNumbersEveryTime(sched):
     again = tf.nest.flatten(tf.nest.map_structure(lambda t: t.numpy(), Step()))
     for a, b in zip(first, again):
       np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize('sched', ['1f1b', 'interleaved_1f1b'])
+def testALoopedEvalForwardEqualsTheForwardsOneByOne(sched):
+  """FProp in eval runs the schedule's forwards only, none kept for a backward."""
+  x = tf.random.stateless_normal([24, 8], [1, 2])
+  outs = []
+  for loop in (True, False):
+    pipe = _Pipeline(sched, 'always', loop)
+
+    @tf.function(autograph=False)
+    def Eval():
+      with py_utils.EvalMode():
+        return pipe.FProp(pipe.theta, x)
+
+    outs.append(Eval().numpy())
+    assert steady_state.LoopsIn(Eval.get_concrete_function().graph) == int(loop)
+  np.testing.assert_array_equal(*outs)
