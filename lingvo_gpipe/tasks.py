@@ -21,6 +21,7 @@ variable (learner.GradientsAndVariables) before applying them.
 import tensorflow as tf
 
 from lingvo_gpipe import base_model
+from lingvo_gpipe import decoder
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers_with_gpipe
 from lingvo_gpipe.core import py_utils
@@ -126,10 +127,74 @@ def _CheckSequenceInput(task, stack, input_params):
                      f'seq_len <= {stack.max_seq_len}.')
 
 
-class LanguageModelTask(PipelinedTask):
-  """A decoder-only Transformer LM on NestedMap(ids, labels, paddings, weights) batches."""
+def _Prompts(ids, start):
+  """ids [B, T] with only each row's prompt kept, ids 0..start (the rest 0): a decode
+  cannot read the reference even where attention would let it."""
+  return tf.where(tf.range(tf.shape(ids)[1])[tf.newaxis] <= start[:, tf.newaxis],
+                  tf.cast(ids, tf.int32), 0)
+
+
+class _DecodingTask(PipelinedTask):
+  """A sequence task that decodes (lingvo_gpipe.decoder): it states a batch's problem and
+  the stack's state of a decoding step."""
 
   STACK_CLASS = layers_with_gpipe.GPipeTransformerStack
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('decoder', decoder.DecoderParams(),
+             'How the decoder jobs, decoder.Decode and decoder.Export decode.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    decoder.CheckDecoderParams(self.path, self.params.decoder)
+
+  def DecodeProblem(self, input_batch):
+    """The decoding problem of a batch of the task's input (see lingvo_gpipe.decoder)."""
+    raise NotImplementedError(f'{type(self).__name__}.DecodeProblem')
+
+  def ServingSpecs(self):
+    """name -> tf.TensorSpec of the features an exported decoder serves (any batch)."""
+    raise NotImplementedError(f'{type(self).__name__}.ServingSpecs')
+
+  def ServingProblem(self, features):
+    """The decoding problem of served features (ServingSpecs): decoded up to max_seq_len."""
+    raise NotImplementedError(f'{type(self).__name__}.ServingProblem')
+
+  def DecodeState(self, context, ids, positions):
+    """The stack's input of a decoding step (its softmax returns log_probs)."""
+    raise NotImplementedError(f'{type(self).__name__}.DecodeState')
+
+  def DecodeLogProbs(self, theta, context, ids, positions):
+    """[B, V] log p(next id) at each row's position of ids [B, T]: the pipelined forward."""
+    return self.stack.FProp(theta.stack, self.DecodeState(context, ids, positions)).log_probs
+
+  def _Problem(self, ids, start, targets, target_weights, context):
+    return py_utils.NestedMap(ids=_Prompts(ids, start), start=start,
+                              targets=tf.cast(targets, tf.int32),
+                              target_weights=tf.cast(target_weights, tf.float32),
+                              context=context)
+
+  def _ServedIds(self, ids, name):
+    """Served ids [B, L] padded to [B, max_seq_len]; a longer L is a ValueError."""
+    max_len = self.params.stack.max_seq_len
+    length = tf.shape(ids)[1]
+    check = tf.debugging.assert_less_equal(
+        length, max_len, message=f'{name} is longer than the model\'s max_seq_len={max_len}')
+    with tf.control_dependencies([check]):
+      return tf.pad(tf.cast(ids, tf.int32), [[0, 0], [0, max_len - length]])
+
+  @staticmethod
+  def _Target(ids, positions):
+    """A decoding step's stream: ids, no paddings (causal attention masks what follows)."""
+    return py_utils.NestedMap(ids=ids, paddings=tf.zeros(tf.shape(ids), tf.float32),
+                              decode_positions=positions)
+
+
+class LanguageModelTask(_DecodingTask):
+  """A decoder-only Transformer LM on NestedMap(ids, labels, paddings, weights) batches."""
 
   def CheckStack(self, stack):
     if stack.num_encoder_layers or not stack.num_decoder_layers:
@@ -168,11 +233,41 @@ class LanguageModelTask(PipelinedTask):
     predictions = super().Inference(theta, batch)
     return py_utils.NestedMap(argmax=predictions.argmax, weights=predictions.weights)
 
+  def DecodeProblem(self, input_batch):
+    """The prompt is decoder.prompt_len ids, or those up to the first weighted label."""
+    b = input_batch
+    rows, length = tf.shape(b.ids)[0], tf.shape(b.ids)[1]
+    prompt_len = self.params.decoder.prompt_len
+    if prompt_len is None:
+      weighted = tf.cast(b.weights > 0, tf.int32)
+      start = tf.where(tf.reduce_any(weighted > 0, -1),
+                       tf.argmax(weighted, -1, output_type=tf.int32), length)
+    else:
+      seq_len = b.ids.shape[1]
+      if seq_len is not None and prompt_len >= seq_len:
+        raise ValueError(f'{self.path}: decoder.prompt_len={prompt_len} leaves nothing to '
+                         f'decode in sequences of {seq_len}; expected < {seq_len}.')
+      start = tf.fill([rows], prompt_len - 1)
+    return self._Problem(b.ids, start, b.labels, b.weights, py_utils.NestedMap())
 
-class EncoderDecoderTask(PipelinedTask):
+  def ServingSpecs(self):
+    return {'ids': tf.TensorSpec([None, None], tf.int32),
+            'lengths': tf.TensorSpec([None], tf.int32)}
+
+  def ServingProblem(self, features):
+    """Prompts ids [B, L] of lengths [B] (>= 1), continued up to max_seq_len."""
+    ids = self._ServedIds(features['ids'], 'ids')
+    zeros = tf.zeros_like(ids)
+    return self._Problem(ids, tf.cast(features['lengths'], tf.int32) - 1, zeros,
+                         tf.cast(zeros, tf.float32), py_utils.NestedMap())
+
+  def DecodeState(self, context, ids, positions):
+    del context  # A language model reads its ids only.
+    return py_utils.NestedMap(tgt=self._Target(ids, positions))
+
+
+class EncoderDecoderTask(_DecodingTask):
   """A Transformer encoder-decoder on NestedMap(src, tgt) batches (teacher forcing)."""
-
-  STACK_CLASS = layers_with_gpipe.GPipeTransformerStack
 
   def CheckStack(self, stack):
     if not (stack.num_encoder_layers and stack.num_decoder_layers):
@@ -192,6 +287,41 @@ class EncoderDecoderTask(PipelinedTask):
 
   def Metrics(self, outputs):
     return SequenceMetrics(outputs)
+
+  def DecodeProblem(self, input_batch):
+    """The target is decoded from its first id (bos) on, reading the source."""
+    src, tgt = input_batch.src, input_batch.tgt
+    start = tf.zeros([tf.shape(tgt.ids)[0]], tf.int32)
+    return self._Problem(tgt.ids, start, tgt.labels, tgt.weights, self._Source(src.ids,
+                                                                               src.paddings))
+
+  def ServingSpecs(self):
+    return {'src_ids': tf.TensorSpec([None, None], tf.int32),
+            'src_lengths': tf.TensorSpec([None], tf.int32)}
+
+  def ServingProblem(self, features):
+    """Sources src_ids [B, S] of src_lengths [B]; targets from decoder.bos_id on."""
+    src_ids = self._ServedIds(features['src_ids'], 'src_ids')
+    paddings = 1.0 - tf.sequence_mask(features['src_lengths'], tf.shape(src_ids)[1], tf.float32)
+    rows = tf.shape(src_ids)[0]
+    ids = tf.pad(tf.fill([rows, 1], self.params.decoder.bos_id),
+                 [[0, 0], [0, self.params.stack.max_seq_len - 1]])
+    zeros = tf.zeros_like(ids)
+    return self._Problem(ids, tf.zeros([rows], tf.int32), zeros, tf.cast(zeros, tf.float32),
+                         self._Source(src_ids, paddings))
+
+  @staticmethod
+  def _Source(ids, paddings):
+    return py_utils.NestedMap(src=py_utils.NestedMap(ids=tf.cast(ids, tf.int32),
+                                                     paddings=tf.cast(paddings, tf.float32)))
+
+  def DecodeState(self, context, ids, positions):
+    return py_utils.NestedMap(src=context.src,
+                              tgt=self._Target(ids, positions))
+
+
+# The tasks a decoder job decodes.
+DECODING_TASKS = (LanguageModelTask, EncoderDecoderTask)
 
 
 class ImageClassifierTask(PipelinedTask):

@@ -18,8 +18,13 @@ Jobs (--job):
   trainer_client      trains with the pipelines' stages on the workers' devices,
                       --worker_split_size devices per pipeline, --worker_replicas
                       pipelines; checkpoints and summaries as controller,trainer.
-  evaler_dev, evaler_test with --cluster_spec
-                      evaluate on the workers' devices in the same way.
+  decoder_dev, decoder_test
+                      decode each new checkpoint's Dev or Test data (sequence
+                      tasks; the task's `decoder` params: greedy, sample or
+                      beam): exact_match and bleu in <logdir>/decoder_dev or
+                      decoder_test, the decodes in decodes-<step>.txt there.
+  evaler_*, decoder_* with --cluster_spec
+                      evaluate or decode on the workers' devices in the same way.
 
 A cluster is --cluster_spec=worker=host:port,host:port (Lingvo's format, more
 jobs after '@'), or the TF_CONFIG environment variable. A cluster client that
@@ -54,11 +59,13 @@ from lingvo_gpipe import base_runner
 from lingvo_gpipe import checkpoint_files
 from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import cluster as cluster_lib
+from lingvo_gpipe import decoder
 from lingvo_gpipe import learner as learner_lib
 from lingvo_gpipe import model_registry
 from lingvo_gpipe import pipeline_check
 from lingvo_gpipe import preemption
 from lingvo_gpipe import run_lock
+from lingvo_gpipe import tasks as tasks_lib
 from lingvo_gpipe.core import devices as devices_lib
 from lingvo_gpipe.core import executor
 from lingvo_gpipe.core import gpipe
@@ -68,10 +75,11 @@ from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import schedule as schedule_lib
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-_LOCAL_JOBS = ('controller,trainer', 'evaler_dev', 'evaler_test')
+_EVAL_JOBS = ('evaler_dev', 'evaler_test', 'decoder_dev', 'decoder_test')
+_LOCAL_JOBS = ('controller,trainer',) + _EVAL_JOBS
 _CLUSTER_JOBS = ('trainer_client', 'worker')
 # Jobs that run against a cluster when given one (--cluster_spec or TF_CONFIG).
-_CLIENT_JOBS = ('trainer_client', 'evaler_dev', 'evaler_test')
+_CLIENT_JOBS = ('trainer_client',) + _EVAL_JOBS
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', None, 'Registry key of the experiment, <domain>.<file>.<Class>. '
@@ -91,13 +99,18 @@ flags.DEFINE_integer('gpu_split_mb', None,
 flags.DEFINE_list('gpus', None,
                   'Indices of the GPUs this process uses (a --job=worker given its own, as '
                   'tools/local_cluster.py does); default: all.')
-flags.DEFINE_enum('mode', 'sync', ['sync', 'inspect_params', 'list_models', 'check_pipeline'],
+flags.DEFINE_enum('mode', 'sync',
+                  ['sync', 'inspect_params', 'list_models', 'check_pipeline', 'export_decoder'],
                   'sync: run the job; inspect_params: print the model params and exit; '
                   'list_models: print the registry keys with one-line descriptions and exit; '
                   'check_pipeline: train --check_steps steps pipelined as configured and '
                   'unpipelined from the same weights (the latest checkpoint of --logdir, if '
                   'any) and data, print the largest relative differences, exit 1 above '
-                  '--check_tolerance.')
+                  '--check_tolerance; export_decoder: write a SavedModel that decodes '
+                  '(lingvo_gpipe.decoder.Export) from the latest checkpoint of --logdir to '
+                  '--export_dir.')
+flags.DEFINE_string('export_dir', None, '--mode=export_decoder: where the SavedModel goes '
+                    '(default <logdir>/export/decoder-<step>).')
 flags.DEFINE_enum('job', 'controller,trainer', list(_LOCAL_JOBS + _CLUSTER_JOBS), 'What to run.')
 flags.DEFINE_integer('task', 0, 'Index of this process within its job of --cluster_spec.')
 flags.DEFINE_string('cluster_spec', '',
@@ -450,8 +463,10 @@ def _Train(model_params, settings, built, generator, logdir, input_device, stop)
                step, checkpointer.latest, logdir)
 
 
-def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
-  """Evaluates checkpoints of <logdir>/train, summaries in <logdir>/eval_<dataset>.
+def RunEvaler(model_params, logdir, dataset_name, on_cluster=False, decode=False):
+  """Evaluates checkpoints of <logdir>/train, summaries in <logdir>/eval_<dataset>; with
+  `decode`, decodes them (lingvo_gpipe.decoder), in <logdir>/decoder_<dataset> with the
+  decodes of each checkpoint in decodes-<step>.txt.
 
   on_cluster: the pipelines run on a cluster's workers; ops the model leaves
   unplaced stay with their inputs. Batches are made here (evaluation reads
@@ -462,8 +477,11 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
         f'--eval_timeout_secs must be > 0, got {FLAGS.eval_timeout_secs:g}.')
   base_runner.CheckPipelineBatches(model_params)
   train_dir = os.path.join(logdir, 'train')
-  eval_dir = os.path.join(logdir, f'eval_{dataset_name.lower()}')
+  job = f'{"decoder" if decode else "eval"}_{dataset_name.lower()}'
+  eval_dir = os.path.join(logdir, job)
   task, global_step, _, checkpointer = _Instantiate(model_params, train_dir)
+  measure = (_Decoding(task, eval_dir, on_cluster) if decode else
+             _Evaluation(task, on_cluster))
   newest = checkpointer.Newest() if FLAGS.eval_once else None
   if FLAGS.eval_once and not newest:
     raise base_runner.UserError(f'No checkpoint in {train_dir} to evaluate.')
@@ -471,11 +489,6 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
   if FLAGS.eval_batches is None and dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
     raise base_runner.UserError(f'The {dataset_name} input repeats forever: set its num_batches '
                                 'or --eval_batches.')
-
-  @tf.function(autograph=False)
-  def EvalStep(batch):
-    with py_utils.EvalMode(), _StepPlacement(on_cluster):
-      return task.FPropTower(task.theta, batch)
 
   _MakeWritableDir(eval_dir)
   writer = tf.summary.create_file_writer(eval_dir)
@@ -491,14 +504,14 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
       logging.warning('Checkpoint %s was removed (rotation) while it was loaded; skipped.', path)
       return None
     step = int(global_step.numpy())
-    metrics, num_batches = base_runner.Evaluate(EvalStep, dataset, FLAGS.eval_batches)
+    metrics, num_batches = measure(dataset, step, writer)
     base_runner.WriteScalars(writer, step, metrics)
-    logging.info('eval_%s step %d (%d batches): %s', dataset_name.lower(), step, num_batches,
+    logging.info('%s step %d (%d batches): %s', job, step, num_batches,
                  '  '.join(f'{k} {v:.5g}' for k, v in sorted(metrics.items())))
     bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
     if bad:
       raise base_runner.NonFiniteError(
-          f'eval_{dataset_name.lower()} of {path} (step {step}): '
+          f'{job} of {path} (step {step}): '
           f'{", ".join(f"{k} {metrics[k]}" for k in bad)} not finite.')
     return step
 
@@ -520,6 +533,64 @@ def RunEvaler(model_params, logdir, dataset_name, on_cluster=False):
   raise base_runner.UserError(
       f'No new checkpoint in {train_dir} for --eval_timeout_secs={FLAGS.eval_timeout_secs:g} '
       f'({evaluated}, train.max_steps={max_steps}): is the trainer running?')
+
+
+def _Evaluation(task, on_cluster):
+  """(dataset, step, writer) -> (metrics of the task's FPropTower, batches evaluated)."""
+  @tf.function(autograph=False)
+  def EvalStep(batch):
+    with py_utils.EvalMode(), _StepPlacement(on_cluster):
+      return task.FPropTower(task.theta, batch)
+
+  def Measure(dataset, step, writer):
+    del step, writer  # Written by the caller.
+    return base_runner.Evaluate(EvalStep, dataset, FLAGS.eval_batches)
+
+  return Measure
+
+
+# Decodes shown in TensorBoard's text tab per checkpoint (all are in decodes-<step>.txt).
+_DECODES_SHOWN = 8
+
+
+def _CheckDecodes(task, flag):
+  """A UserError unless `task` decodes (--flag asks it to)."""
+  if not isinstance(task, tasks_lib.DECODING_TASKS):
+    raise base_runner.UserError(
+        f'--{flag} decodes sequence tasks '
+        f'({", ".join(c.__name__ for c in tasks_lib.DECODING_TASKS)}); the task of '
+        f'--model={FLAGS.model} is {type(task).__name__}.')
+
+
+def _Decoding(task, decode_dir, on_cluster):
+  """(dataset, step, writer) -> (exact_match and bleu of the decodes, batches decoded); the
+  decodes go to <decode_dir>/decodes-<step>.txt and TensorBoard's text tab."""
+  _CheckDecodes(task, f'job={FLAGS.job}')
+  p = task.params.decoder
+
+  @tf.function(autograph=False)
+  def DecodeStep(batch):
+    with _StepPlacement(on_cluster):
+      return decoder.Decode(task, task.theta, batch)
+
+  def Measure(dataset, step, writer):
+    lines = []
+
+    def DecodeBatch(batch):
+      examples = decoder.Examples({k: v.numpy() for k, v in DecodeStep(batch).items()})
+      lines.extend(decoder.Line(p, example) for example in examples)
+      return decoder.BatchMetrics(examples, p.eos_id)
+
+    means, num_batches = base_runner.Evaluate(DecodeBatch, dataset, FLAGS.eval_batches)
+    path = os.path.join(decode_dir, f'decodes-{step}.txt')
+    with base_runner.Writing(path), tf.io.gfile.GFile(path, 'w') as f:
+      f.write(decoder.LINE_HEADER + ''.join(line + '\n' for line in lines))
+    with base_runner.Writing('TensorBoard summaries'), writer.as_default(step=step):
+      tf.summary.text('decodes', decoder.Markdown(lines[:_DECODES_SHOWN]))
+    logging.info('Decodes of step %d: %s', step, path)
+    return decoder.FinalMetrics(means), num_batches
+
+  return Measure
 
 
 def _WithTrainersSettings(override, dataset_name):
@@ -603,7 +674,8 @@ def RunClusterClient(model_params, cluster, dataset_name):
     if cluster.job == 'trainer_client':
       RunTrainer(model_params, FLAGS.logdir, cluster_lib.InputDevice(), stop)
     else:
-      RunEvaler(model_params, FLAGS.logdir, dataset_name, on_cluster=True)
+      RunEvaler(model_params, FLAGS.logdir, dataset_name, on_cluster=True,
+                decode=_Decodes())
 
   # Signal handlers can only be set here, in the main thread.
   with (preemption.StopOnSignals() if cluster.job == 'trainer_client' else
@@ -675,7 +747,7 @@ def _Run():
                                 'lm.synthetic.GPipeTransformerLmTiny).')
   _CheckFlagsAtLeast(0, 'max_steps', 'pipeline_stats_every')
   _CheckFlagsAtLeast(1, 'checkpoint_max_to_keep', 'eval_batches')
-  dataset_name = {'evaler_dev': 'Dev', 'evaler_test': 'Test'}.get(FLAGS.job, 'Train')
+  dataset_name = {'dev': 'Dev', 'test': 'Test'}.get(FLAGS.job.split('_')[-1], 'Train')
   override = FLAGS.model_params_override
   if dataset_name != 'Train' and FLAGS.mode == 'sync' and FLAGS.logdir:
     override = _WithTrainersSettings(override, dataset_name)
@@ -706,15 +778,41 @@ def _Run():
     checkpoint_files.CheckDirectoryName(FLAGS.logdir, '--logdir')
   except ValueError as e:
     raise base_runner.UserError(str(e)) from None
+  if cluster.spec and FLAGS.mode == 'export_decoder':
+    raise base_runner.UserError('--mode=export_decoder exports from this process\'s devices: '
+                                'drop --cluster_spec.')
   if cluster.spec:
     RunClusterClient(model_params, cluster, dataset_name)
     return
   _SetUpLocalDevices(model_params, cluster)
-  if FLAGS.job == 'controller,trainer':
+  if FLAGS.mode == 'export_decoder':
+    _ExportDecoder(model_params)
+  elif FLAGS.job == 'controller,trainer':
     with preemption.StopOnSignals() as stop:
       RunTrainer(model_params, FLAGS.logdir, stop=stop)
   else:
-    RunEvaler(model_params, FLAGS.logdir, dataset_name)
+    RunEvaler(model_params, FLAGS.logdir, dataset_name, decode=_Decodes())
+
+
+def _Decodes():
+  return FLAGS.job.startswith('decoder_')
+
+
+def _ExportDecoder(model_params):
+  """--mode=export_decoder: the latest checkpoint's decoder as a SavedModel."""
+  train_dir = os.path.join(FLAGS.logdir, 'train')
+  task, global_step, _, checkpointer = _Instantiate(model_params, train_dir)
+  _CheckDecodes(task, 'mode=export_decoder')
+  newest = checkpointer.Newest()
+  if not newest:
+    raise base_runner.UserError(f'No checkpoint in {train_dir} to export.')
+  checkpointer.Restore(newest)
+  step = int(global_step.numpy())
+  export_dir = FLAGS.export_dir or os.path.join(FLAGS.logdir, 'export', f'decoder-{step}')
+  with base_runner.Writing(export_dir):
+    decoder.Export(task, export_dir)
+  logging.info('Exported the decoder of %s (step %d) to %s: serve its serving_default '
+               'signature with tf.saved_model.load.', newest, step, export_dir)
 
 
 def main(argv):

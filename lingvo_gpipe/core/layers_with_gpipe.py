@@ -18,6 +18,10 @@ replaces the state with per-example results that a task reduces to metrics:
   xent (label-smoothed cross entropy, the trained loss), nll (-log p(label), for
   log-perplexity), argmax (int32), labels, weights; all [B, T] (or [B]).
 
+A decoding step (lingvo_gpipe.decoder) gives the stream decode_positions [B]
+int32 instead of labels: the softmax then returns log_probs [B, num_classes],
+each row's next-id log-probabilities at its position.
+
 Every tensor of the state has the batch as dimension 0, as the pipeline splits
 all of them into micro-batches.
 
@@ -255,10 +259,18 @@ class GPipeSoftmaxLayer(base_layer.BaseLayer):
     p = self.params
     seq = state[p.stream]
     vecs = self.pool.FProp(theta.pool, seq.vecs) if p.global_pool else seq.vecs
+    if 'decode_positions' in seq:
+      return py_utils.NestedMap(log_probs=self._NextLogProbs(theta, vecs, seq.decode_positions))
     out = self.softmax.FProp(theta.softmax, vecs, seq.labels, seq.weights)
     nll = -tf.gather(out.log_probs, seq.labels, batch_dims=seq.labels.shape.rank)
     return py_utils.NestedMap(xent=out.per_example_xent, nll=nll, argmax=out.per_example_argmax,
                               labels=seq.labels, weights=tf.cast(seq.weights, tf.float32))
+
+  def _NextLogProbs(self, theta, vecs, positions):
+    """log p(next id) [B, num_classes] in float32 at each row's position of vecs [B, T, D]:
+    a decoding step needs one position per row, so only those are projected."""
+    at = tf.gather(vecs, positions, batch_dims=1)
+    return tf.nn.log_softmax(tf.cast(self.softmax.Logits(theta.softmax, at), tf.float32))
 
   @classmethod
   def FPropMeta(cls, params, state_spec):
@@ -268,6 +280,11 @@ class GPipeSoftmaxLayer(base_layer.BaseLayer):
     if params.global_pool:
       pool = children['pool'].cls.FPropMeta(children['pool'], vecs)
       vecs, flops = pool.out_shapes[0], pool.flops
+    if 'decode_positions' in seq:
+      rows = vecs[:1].concatenate(vecs[-1:])
+      flops += children['softmax'].cls.FPropMeta(children['softmax'], rows).flops
+      return _Meta(flops, py_utils.NestedMap(
+          log_probs=_Spec(rows[:1].concatenate([params.num_classes]))))
     flops += children['softmax'].cls.FPropMeta(children['softmax'], vecs).flops
     labels = _ShapeOf(seq.labels)
     return _Meta(flops, py_utils.NestedMap(
