@@ -73,14 +73,21 @@ def _ErrorLines(err):
   return [line for line in err.splitlines() if line.startswith('trainer: error:')]
 
 
-def _Scalars(directory):
-  """tag -> {step: value} of the TensorBoard event files in `directory`."""
-  scalars = {}
+def _Summaries(directory):
+  """tag -> {step: numpy value} of the TensorBoard event files in `directory`."""
+  summaries = {}
   for path in sorted(glob.glob(os.path.join(directory, 'events.out.tfevents.*'))):
     for event in tf.compat.v1.train.summary_iterator(path):
       for value in event.summary.value:
-        scalars.setdefault(value.tag, {})[event.step] = float(tf.make_ndarray(value.tensor))
-  return scalars
+        summaries.setdefault(value.tag, {})[event.step] = tf.make_ndarray(value.tensor)
+  return summaries
+
+
+def _Scalars(directory):
+  """tag -> {step: value} of the TensorBoard scalars in `directory`."""
+  return {tag: {step: float(v) for step, v in values.items()}
+          for tag, values in _Summaries(directory).items()
+          if all(v.dtype != object for v in values.values())}
 
 
 def _Checkpoint(path):
@@ -161,6 +168,39 @@ def testTrainResumeAndEvaluate(tmp_path):
   test_scalars = _Scalars(os.path.join(logdir, 'eval_test'))
   assert sorted(test_scalars) == ['abs_error', 'loss'] and list(test_scalars['loss']) == [10]
   assert 'eval_test step 10 (3 batches)' in err
+
+
+def testDecoderJobAndExportOfATrainedLm(tmp_path):
+  """Greedy decodes reproduce every sequence the teacher-forced model gets all right, so
+  the decoder's exact match is at least the evaler's sequence accuracy."""
+  logdir = str(tmp_path / 'log')
+  lm = 'lm.synthetic.GPipeTransformerLmTiny'
+  _Ok(_Run(f'--logdir={logdir}', '--max_steps=150', model=lm))
+  err = _Ok(_Run(f'--logdir={logdir}', '--job=decoder_dev', '--eval_once', model=lm))
+  decode_dir = os.path.join(logdir, 'decoder_dev')
+  lines = open(os.path.join(decode_dir, 'decodes-150.txt')).read().splitlines()
+  assert lines[0] == 'match\tprompt\thypothesis\treference' and len(lines) == 1 + 4 * 32
+  rows = [line.split('\t') for line in lines[1:]]
+  assert all(match == str(int(hyp == ref)) for match, _, hyp, ref in rows)
+  scalars = _Scalars(decode_dir)
+  exact = scalars['exact_match'][150]
+  assert exact == pytest.approx(sum(r[0] == '1' for r in rows) / len(rows))
+  assert 0.0 <= scalars['bleu'][150] <= 100.0 and 'decoder_dev step 150 (4 batches)' in err
+  table = _Summaries(decode_dir)['decodes'][150].item().decode()
+  assert table.splitlines()[2] == f'| {" | ".join(rows[0])} |'
+  _Ok(_Run(f'--logdir={logdir}', '--job=evaler_dev', '--eval_once', model=lm))
+  accuracy = _Scalars(os.path.join(logdir, 'eval_dev'))['sequence_accuracy'][150]
+  assert exact >= accuracy - 1e-6 and accuracy > 0, (exact, accuracy)
+
+  export_dir = str(tmp_path / 'export')
+  _Ok(_Run(f'--logdir={logdir}', '--mode=export_decoder', f'--export_dir={export_dir}',
+           model=lm))
+  serve = tf.saved_model.load(export_dir).signatures['serving_default']
+  prompt, hypothesis = rows[0][1], rows[0][2]
+  ids = [int(i) for i in prompt.split()]
+  out = serve(ids=tf.constant([ids], tf.int32), lengths=tf.constant([len(ids)]))
+  start, length = int(out['start'][0]), int(out['lengths'][0])
+  assert ' '.join(str(t) for t in out['tokens'][0, start:start + length].numpy()) == hypothesis
 
 
 def testNanStopsTrainingAndKeepsTheLastGoodCheckpoint(tmp_path):
@@ -365,6 +405,15 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
        'none: drop it.'),
       ([model, '--pipeline_stats_every=1', '--mode=check_pipeline'],
        '--mode=check_pipeline --job=controller,trainer trains none'),
+      ([model, logdir, '--job=decoder_dev'],
+       '--job=decoder_dev decodes sequence tasks (LanguageModelTask, EncoderDecoderTask); the '
+       f'task of --model={_MODEL} is RegressionTask.'),
+      ([model, logdir, '--mode=export_decoder'], '--mode=export_decoder decodes sequence tasks'),
+      (['--model=lm.synthetic.GPipeTransformerLmTiny', logdir, '--mode=export_decoder'],
+       f'No checkpoint in {tmp_path}/log/train to export.'),
+      (['--model=lm.synthetic.GPipeTransformerLmTiny', logdir, '--job=decoder_test',
+        '--model_params_override=task.decoder.beam_size : 0'],
+       'Cannot build the task: lm.decoder.beam_size=0: expected an int >= 1.'),
   ] + ([] if tf.config.list_physical_devices('GPU') else [
       ([model, logdir, '--run_locally=gpu'],
        'run_locally=gpu, but TensorFlow finds no GPU on this machine'),

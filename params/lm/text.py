@@ -38,4 +38,6 @@ class GPipeByteLm(base_model_params.SingleTaskModelParams):
         num_encoder_layers=0, num_decoder_layers=4, splits=2, num_micro_batches=4)
     p.stack.dropout_prob = 0.1
     p.train.learning_rate = 2e-3
+    # Decoders continue each window's first half; text has no eos.
+    p.decoder.Set(prompt_len=data.seq_len // 2, eos_id=None, detokenize='bytes')
     return p
