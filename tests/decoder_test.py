@@ -31,20 +31,23 @@ def _Data(cls):
                           seq_len=SEQ_LEN, batch_size=6, seed=1)
 
 
-def _Lm(splits=2, micro_batches=2, schedule='1f1b', **decoding):
-  p = tasks.LanguageModelTask.Params().Set(name='lm', input=_Data(
-      input_generators.SyntheticLmInput))
-  p.stack = _Stack(0, splits, micro_batches, schedule)
+def _Task(name, splits, micro_batches, schedule, decoding):
+  """A small LM ('lm') or encoder-decoder ('mt') task on its synthetic reverse data."""
+  task_cls, data_cls, encoder_layers = {
+      'lm': (tasks.LanguageModelTask, input_generators.SyntheticLmInput, 0),
+      'mt': (tasks.EncoderDecoderTask, input_generators.SyntheticSeq2SeqInput, 2)}[name]
+  p = task_cls.Params().Set(name=name, input=_Data(data_cls))
+  p.stack = _Stack(encoder_layers, splits, micro_batches, schedule)
   p.decoder.Set(**decoding)
   return p.Instantiate()
+
+
+def _Lm(splits=2, micro_batches=2, schedule='1f1b', **decoding):
+  return _Task('lm', splits, micro_batches, schedule, decoding)
 
 
 def _Mt(splits=2, micro_batches=2, schedule='1f1b', **decoding):
-  p = tasks.EncoderDecoderTask.Params().Set(name='mt', input=_Data(
-      input_generators.SyntheticSeq2SeqInput))
-  p.stack = _Stack(2, splits, micro_batches, schedule)
-  p.decoder.Set(**decoding)
-  return p.Instantiate()
+  return _Task('mt', splits, micro_batches, schedule, decoding)
 
 
 def _Batch(task):
