@@ -280,11 +280,6 @@ class GPipeSoftmaxLayer(base_layer.BaseLayer):
     if params.global_pool:
       pool = children['pool'].cls.FPropMeta(children['pool'], vecs)
       vecs, flops = pool.out_shapes[0], pool.flops
-    if 'decode_positions' in seq:
-      rows = vecs[:1].concatenate(vecs[-1:])
-      flops += children['softmax'].cls.FPropMeta(children['softmax'], rows).flops
-      return _Meta(flops, py_utils.NestedMap(
-          log_probs=_Spec(rows[:1].concatenate([params.num_classes]))))
     flops += children['softmax'].cls.FPropMeta(children['softmax'], vecs).flops
     labels = _ShapeOf(seq.labels)
     return _Meta(flops, py_utils.NestedMap(
