@@ -13,6 +13,7 @@ PipeliningLayer's schedule.
 
 import tensorflow as tf
 
+from lingvo_gpipe import loss_scale
 from lingvo_gpipe import lr_schedule
 from lingvo_gpipe import optimizer
 from lingvo_gpipe.core import base_layer
@@ -31,6 +32,8 @@ def TrainParams():
            'learning_rate at each step.')
   p.Define('clip_gradient_norm_to_value', 0.0,
            'If > 0, scale gradients so their global norm (over all stages) is at most this.')
+  p.Define('loss_scale', loss_scale.Params(),
+           'float16 loss scaling (lingvo_gpipe.loss_scale): mode auto, dynamic or none.')
   return p
 
 
@@ -41,6 +44,7 @@ def _CheckTrainParams(where, t):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
         0 <= value < float('inf')):
       raise ValueError(f'{where}.train.{key}={value!r}: expected a finite number >= 0.')
+  loss_scale.CheckParams(f'{where}.train.loss_scale', t.loss_scale)
 
 
 class BaseTask(base_layer.BaseLayer):
@@ -56,6 +60,14 @@ class BaseTask(base_layer.BaseLayer):
     super().__init__(params)
     _CheckTrainParams(self.path, self.params.train)
 
+  @property
+  def train_params(self):
+    """params.train with loss_scale.mode 'auto' decided: 'dynamic' when a layer of this
+    task computes in float16."""
+    train = self.params.train.Copy()
+    train.loss_scale = loss_scale.Resolved(train.loss_scale, self)
+    return train.Freeze()
+
   def ComputePredictions(self, theta, input_batch):
     """Predictions (a NestedMap) of the batch."""
     raise NotImplementedError(f'{type(self).__name__}.ComputePredictions')
@@ -69,7 +81,8 @@ class BaseTask(base_layer.BaseLayer):
     return self.ComputeLoss(theta, self.ComputePredictions(theta, input_batch), input_batch)
 
   def ForwardBackward(self, theta, input_batch):
-    """(metrics, grads): grads of metrics.loss, a NestedMap shaped like theta.
+    """(metrics, grads): grads of metrics.loss, a NestedMap shaped like theta; unscaled (a
+    float16 loss scale of the FProp context is applied to the loss and taken off again).
 
     A leaf occurring several times in theta (tied weights) holds its gradient
     at its first occurrence and zeros at the others, so that summing per
@@ -79,8 +92,7 @@ class BaseTask(base_layer.BaseLayer):
     with tf.GradientTape() as tape:
       metrics = self.FPropTower(theta, input_batch)
     leaves = tf.nest.flatten(theta)
-    grads = tape.gradient(metrics.loss[0], leaves,
-                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    grads = py_utils.ScaledGradients(tape, metrics.loss[0], leaves)
     seen = set()
     for i, leaf in enumerate(leaves):
       if leaf.ref() in seen:

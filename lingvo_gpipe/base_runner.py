@@ -296,12 +296,27 @@ class _Progress:
 
 
 def _NonFinite(out):
-  """What was not finite in a step's Learner.Apply outputs."""
+  """What was not finite in a step's Learner.Apply outputs, and whether it was applied."""
   loss, grad_norm = float(out.loss), float(out.grad_norm)
-  if np.isfinite(loss) and np.isfinite(grad_norm):
-    return (f'loss {loss:g} and gradient norm {grad_norm:g} are finite, but the update with '
-            f'learning rate {float(out.learning_rate):g} would make weights not finite')
-  return f'loss {loss:g}, gradient norm {grad_norm:g} is not finite'
+  learning_rate = float(out.learning_rate)
+  if not (np.isfinite(loss) and np.isfinite(grad_norm)):
+    at_scale = (f' at the minimum loss scale {float(out.loss_scale):g}, so not a float16 '
+                'overflow' if 'loss_scale' in out and np.isfinite(loss) else '')
+    return f'loss {loss:g}, gradient norm {grad_norm:g} is not finite{at_scale}', False
+  if not np.isfinite(learning_rate):
+    return f'learning rate {learning_rate:g} is not finite', False
+  return (f'loss {loss:g} and gradient norm {grad_norm:g} are finite, but the update with '
+          f'learning rate {learning_rate:g} made weights not finite', True)
+
+
+def _LogSkips(out, first_step, last_step):
+  """A line when float16 overflows skipped steps of a loop call (out.skips)."""
+  skips = int(out.skips)
+  if skips:
+    steps = (f'step {last_step}' if last_step == first_step + 1 else
+             f'steps {first_step + 1}-{last_step}: {skips}')
+    logging.info('%s skipped (float16 gradients overflowed; nothing applied); loss scale now '
+                 '%g.', steps, float(out.loss_scale))
 
 
 def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, batch_size,
@@ -351,16 +366,21 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
     seconds = time.time() - start
     new_step = int(global_step.numpy())
     if not bool(out.finite):
+      what, applied = _NonFinite(out)
+      kept = ('training stopped; those weights are not saved' if applied else
+              'training stopped without applying it')
       raise NonFiniteError(f'The step from global step {new_step} to {new_step + 1}: '
-                           f'{_NonFinite(out)}; training stopped without applying it (global '
-                           f'step {new_step}). Last good checkpoint: '
+                           f'{what}; {kept} (global step {new_step}). Last good checkpoint: '
                            f'{checkpointer.latest or "none"}.')
+    _LogSkips(out, step, new_step)
     if not measure:  # A measured step's time includes tracing it and the timing ops.
       progress.Record(new_step - step, seconds)
     speed = progress.Speed(None if measure else new_step - step, seconds)
     if _Crossed(step, new_step, s.summary_interval_steps):
       scalars = {name: value for name, (value, _) in out.metrics.items()}
       scalars.update(learning_rate=out.learning_rate, grad_norm=out.grad_norm, **speed)
+      if 'loss_scale' in out:
+        scalars.update(loss_scale=out.loss_scale, skipped_steps=out.skipped_steps)
       WriteScalars(writer, new_step, scalars)
     if measure and measured_before:
       _WritePipelineStats(writer, new_step, timeline, pipeline_stats)

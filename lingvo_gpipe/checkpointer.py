@@ -99,7 +99,7 @@ def _NotSaveRetracing(record):
 
 
 class Checkpointer:
-  """Saves and restores a model, its optimizer and the global step.
+  """Saves and restores a model, its Learner's state (optimizer, loss scale) and the global step.
 
   The input position is the global step: a resumed trainer asks the input
   generator for its batches from batch <global step> on.
@@ -108,11 +108,12 @@ class Checkpointer:
     directory: where ckpt-<step> files go.
     variables: the model's variables (saved by name).
     global_step: the int64 global step variable; it numbers the checkpoints.
-    optimizer: optional optimizer module (slots and counters).
+    learner_state: optional dict name -> tf.Module (Learner.state: the optimizer's
+      slots and counters, the loss scale), restored where a checkpoint has them.
     max_to_keep: how many recent checkpoints to keep (at least 1).
   """
 
-  def __init__(self, directory, variables, global_step, optimizer=None, max_to_keep=5):
+  def __init__(self, directory, variables, global_step, learner_state=None, max_to_keep=5):
     try:
       files.CheckDirectoryName(directory)
     except ValueError as e:
@@ -120,12 +121,11 @@ class Checkpointer:
     self._directory = directory
     self._model = _NameTree.FromVariables(variables)
     self._global_step = global_step
-    self._optimizer = optimizer
+    self._learner_state = dict(learner_state or {})
     self._signature = ModelSignature(variables)
     objects = {'model': self._model, 'global_step': global_step,
                _SIGNATURE: tf.Variable(self._signature, trainable=False, name=_SIGNATURE)}
-    if optimizer is not None:
-      objects['optimizer'] = optimizer
+    objects.update(self._learner_state)
     self._checkpoint = tf.train.Checkpoint(**objects)
     self._max_to_keep = max_to_keep
     self._saved_step = None
@@ -193,8 +193,9 @@ class Checkpointer:
   def Restore(self, path=None):
     """Restores `path` (default: the newest intact checkpoint); returns its path or None if none.
 
-    Model and global step must match exactly; optimizer slots are restored where
-    the checkpoint has them (an optimizer changed between runs starts afresh).
+    Model and global step must match exactly; the Learner's state is restored where
+    the checkpoint has it (an optimizer changed between runs starts afresh, and so
+    does a loss scale switched on).
     """
     path = path or self.Newest()
     if not path:
@@ -206,8 +207,8 @@ class Checkpointer:
     except AssertionError as e:
       raise base_runner.UserError(f'Checkpoint {path} does not hold this model\'s variables '
                                   f'in the expected layout: {str(e).splitlines()[0]}') from None
-    if self._optimizer is not None:
-      tf.train.Checkpoint(optimizer=self._optimizer).read(path).expect_partial()
+    if self._learner_state:
+      tf.train.Checkpoint(**self._learner_state).read(path).expect_partial()
     self._saved_step = int(self._global_step.numpy())
     self._latest = path
     logging.info('Restored %s (global step %d).', path, self._saved_step)

@@ -108,7 +108,7 @@ def TaskSpec(task, input_batch, mode):
   metrics, grads = task.ForwardBackward(theta, input_batch)
   return EstimatorSpec(mode, loss=metrics.loss, eval_metrics=metrics,
                        gradients=learner_lib.GradientsAndVariables(theta, grads),
-                       train_params=task.params.train)
+                       train_params=task.train_params)
 
 
 def _AsNestedMap(value):
@@ -429,7 +429,7 @@ class Estimator:
   def _Checkpointer(self):
     return checkpointer_lib.Checkpointer(
         self.model_dir, self._store.variables, self._global_step,
-        self._learner.optimizer if self._learner else None,
+        self._learner.state if self._learner else None,
         max_to_keep=self._config.keep_checkpoint_max)
 
   def _Restore(self, element_spec, mode):
@@ -451,9 +451,8 @@ class Estimator:
     if spec.gradients is not None:
       return metrics, list(spec.gradients)
     variables = self._store.trainable_variables
-    grads = tape.gradient(metrics.loss[0], variables,
-                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return metrics, list(zip(grads, variables))
+    return metrics, list(zip(py_utils.ScaledGradients(tape, metrics.loss[0], variables),
+                             variables))
 
   def _Predictions(self, element):
     return _FlatPredictions(self._CallModelFn(element, ModeKeys.PREDICT).predictions)

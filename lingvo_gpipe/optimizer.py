@@ -2,8 +2,8 @@
 
 An optimizer is configured by Params, creates its slots once for a list of
 variables (`CreateSlots`, eagerly, before the training step is traced) and then
-applies updates inside the step (`Apply`), all or none: an update that would
-make a weight or a slot NaN or Inf is not applied. Each slot lives on its variable's
+applies updates inside the step (`Apply`), each computed once, saying whether
+every new weight and slot is finite. Each slot lives on its variable's
 device, so a pipeline stage's optimizer state stays with that stage. Slots are
 keyed by variable name, so checkpoints read the same whatever the order in which
 variables are listed.
@@ -72,25 +72,23 @@ class BaseOptimizer(tf.Module):
     return self._slots[key]
 
   def Apply(self, learning_rate, grads_and_vars):
-    """Updates the variables and slots unless a new value would not be finite.
+    """Updates the variables and slots; each new value is computed once.
 
-    The new values are computed twice, once to check them and once to assign
-    them, so no second copy of the model and its slots is held at once.
+    Nothing here waits for every device: each variable's update runs on its own
+    device, and the one global value is the returned check. The caller (the
+    Learner) applies only finite gradients and learning rates, and stops before
+    saving a step whose update this reports as not finite (an overflow).
 
     Returns:
-      A bool scalar tensor: whether the update was applied (and counted).
+      A bool scalar tensor: whether every new value is finite.
     """
-    def Finite(values):
-      return tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for _, v in values])
-
-    def Assign():
-      for target, value in self._NewValues(learning_rate, grads_and_vars):
-        target.assign(value)
-      self.iterations.assign_add(1)
-      return tf.constant(True)
-
-    return tf.cond(Finite(self._NewValues(learning_rate, grads_and_vars)), Assign,
-                   lambda: tf.constant(False))
+    finite = []
+    for target, value in self._NewValues(learning_rate, grads_and_vars):
+      target.assign(value)
+      with tf.device(target.device):
+        finite.append(tf.reduce_all(tf.math.is_finite(value)))
+    self.iterations.assign_add(1)
+    return tf.reduce_all(finite)
 
   def _NewValues(self, learning_rate, grads_and_vars):
     """[(variable or slot, its value after this update)] of every variable."""

@@ -302,14 +302,14 @@ def _Instantiate(model_params, train_dir, with_learner=False):
   try:
     task = model_params.Instantiate().task
     global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
-    learner = learner_lib.Learner(task.params.train, task.trainable_variables,
+    learner = learner_lib.Learner(task.train_params, task.trainable_variables,
                                   global_step) if with_learner else None
     for pipe in _Pipelines(task) if with_learner else []:
       executor.CreateGradientSums(pipe)
   except ValueError as e:  # A bad config, e.g. from an override (the optimizer's too).
     raise base_runner.UserError(f'Cannot build the task: {e}') from None
   checkpointer = checkpointer_lib.Checkpointer(
-      train_dir, task.variables, global_step, learner and learner.optimizer,
+      train_dir, task.variables, global_step, learner and learner.state,
       max_to_keep=FLAGS.checkpoint_max_to_keep)
   return task, global_step, learner, checkpointer
 

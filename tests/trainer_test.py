@@ -18,12 +18,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import base_model
 from lingvo_gpipe import base_runner
 from lingvo_gpipe import checkpoint_files
 from lingvo_gpipe import checkpointer as checkpointer_lib
-from lingvo_gpipe import learner as learner_lib
-from lingvo_gpipe import optimizer
 from lingvo_gpipe import trainer
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import hyperparams
@@ -203,6 +200,34 @@ def testDecoderJobAndExportOfATrainedLm(tmp_path):
   assert ' '.join(str(t) for t in out['tokens'][0, start:start + length].numpy()) == hypothesis
 
 
+_FLOAT16 = ('--model_params_override=task.stack.fprop_dtype : tf.float16; '
+            'task.train.loss_scale.growth_interval : 3; train.summary_interval_steps : 1')
+
+
+def testFloat16TrainsUnderADynamicLossScaleThatResumes(tmp_path):
+  """float16 turns loss scaling on by itself; skipped steps are logged; the scale and its
+  counters are checkpointed, so a resumed run ends bitwise where an uninterrupted one does."""
+  lm = 'lm.synthetic.GPipeTransformerLmTiny'
+  straight, logdir = str(tmp_path / 'straight'), str(tmp_path / 'log')
+  uninterrupted = _Start(f'--logdir={straight}', '--max_steps=12', _FLOAT16, model=lm)
+  err = _Ok(_Run(f'--logdir={logdir}', '--max_steps=6', _FLOAT16, model=lm))
+  assert re.search(r'step 1 skipped \(float16 gradients overflowed; nothing applied\); loss '
+                   r'scale now 16384\.', err), err[-3000:]
+  _Ok(_Run(f'--logdir={logdir}', '--max_steps=12', _FLOAT16, model=lm))
+  _Ok(_Finish(uninterrupted))
+  resumed = _Checkpoint(os.path.join(logdir, 'train', 'ckpt-12'))
+  expected = _Checkpoint(os.path.join(straight, 'train', 'ckpt-12'))
+  scale_keys = [k for k in expected if k.startswith('loss_scale/')]
+  assert len(scale_keys) == 3 and expected['loss_scale/skipped_steps/.ATTRIBUTES/'
+                                            'VARIABLE_VALUE'] > 0
+  for name in scale_keys + [k for k in expected if k.startswith('model/')]:
+    np.testing.assert_array_equal(resumed[name], expected[name], err_msg=name)
+  scalars = _Scalars(os.path.join(straight, 'train'))
+  assert sorted(scalars['loss_scale']) == sorted(scalars['loss']) and 12 in scalars['loss']
+  assert all(np.isfinite(v) for v in scalars['loss'].values())
+  assert scalars['loss'][12] < scalars['loss'][min(scalars['loss'])]
+
+
 def testNanStopsTrainingAndKeepsTheLastGoodCheckpoint(tmp_path):
   logdir = str(tmp_path / 'log')
   code, _, err = _Run(f'--logdir={logdir}', '--max_steps=10',
@@ -327,7 +352,8 @@ def testUserErrorsAreOneLine(tmp_path, capsys, monkeypatch):
        "Unknown params key 'hiden_dim'. Did you mean: hidden_dim"),
       ([model, logdir, '--model_params_override=task.train.max_steps : 3'],
        "Unknown params key 'max_steps'. Defined: ['clip_gradient_norm_to_value', "
-       "'learning_rate', 'lr_schedule', 'optimizer']. Did you mean train.max_steps?"),
+       "'learning_rate', 'loss_scale', 'lr_schedule', 'optimizer']. Did you mean "
+       "train.max_steps?"),
       (['--model=lm.synthetic.GPipeTransformerLmTiny', logdir,
         '--model_params_override=task.input.batch_size : 5'],
        "model_params_override sets task.input.batch_size, but the input that runs is the "
@@ -568,107 +594,6 @@ def testAnEvalerSkipsACheckpointRemovedWhileItLoads(tmp_path, capsys, monkeypatc
 
 
 # -- in process: flags, stages, the Learner -------------------------------------------
-
-
-def testGradientsAndVariablesSumsTiedWeightsAndSkipsFrozen():
-  shared = tf.Variable([1.0, 2.0], name='shared')
-  own = tf.Variable([3.0], name='own')
-  frozen = tf.Variable([0.0], trainable=False, name='frozen')
-  theta = py_utils.NestedMap(a=shared, b=[own, shared], c=frozen)
-  grads = py_utils.NestedMap(a=tf.constant([1.0, 1.0]), b=[tf.constant([5.0]),
-                                                           tf.constant([0.5, 2.0])],
-                             c=tf.constant([9.0]))
-  pairs = learner_lib.GradientsAndVariables(theta, grads)
-  assert [v.name for _, v in pairs] == ['shared:0', 'own:0']
-  np.testing.assert_array_equal(pairs[0][0].numpy(), [1.5, 3.0])
-  np.testing.assert_array_equal(pairs[1][0].numpy(), [5.0])
-
-
-def _SgdLearner(variables, clip=0.0, learning_rate=1.0):
-  tp = base_model.TrainParams()
-  tp.optimizer = optimizer.SGD.Params()
-  tp.learning_rate = learning_rate
-  tp.clip_gradient_norm_to_value = clip
-  step = tf.Variable(0, dtype=tf.int64, name='global_step')
-  return learner_lib.Learner(tp, variables, step)
-
-
-def _Metrics(loss):
-  return py_utils.NestedMap(loss=(tf.constant(loss), tf.constant(1.0)))
-
-
-def testLearnerClipsByTheGlobalNormOfAllStages():
-  with tf.device('/device:CPU:0'):
-    a = tf.Variable([0.0], name='stage0/w')
-  with tf.device('/device:CPU:1'):
-    b = tf.Variable([0.0], name='stage1/w')
-  learner = _SgdLearner([a, b], clip=1.0)
-  out = learner.Apply(tf.constant(0, tf.int64), _Metrics(2.0),
-                      [(tf.constant([3.0]), a), (tf.constant([4.0]), b)])
-  assert float(out.grad_norm) == pytest.approx(5.0) and bool(out.finite)
-  np.testing.assert_allclose([a.numpy()[0], b.numpy()[0]], [-0.6, -0.8], rtol=1e-6)
-  assert int(learner.global_step.numpy()) == 1
-
-
-@pytest.mark.parametrize('loss, grad', [(float('nan'), 1.0), (1.0, float('inf'))])
-def testLearnerAppliesNothingWhenNotFinite(loss, grad):
-  var = tf.Variable([1.0], name='w')
-  learner = _SgdLearner([var])
-  out = learner.Apply(tf.constant(0, tf.int64), _Metrics(loss), [(tf.constant([grad]), var)])
-  assert not bool(out.finite)
-  assert var.numpy()[0] == 1.0 and int(learner.global_step.numpy()) == 0
-  assert int(learner.optimizer.iterations.numpy()) == 0
-
-
-@pytest.mark.parametrize('learning_rate', [float('nan'), float('inf'), 1e39])
-def testLearnerAppliesNothingWhenTheUpdateIsNotFinite(learning_rate):
-  var = tf.Variable([1.0], name='w')
-  learner = _SgdLearner([var], learning_rate=learning_rate)
-  out = learner.Apply(tf.constant(0, tf.int64), _Metrics(1.0), [(tf.constant([0.5]), var)])
-  assert not bool(out.finite) and np.isfinite(float(out.loss))
-  assert var.numpy()[0] == 1.0 and int(learner.global_step.numpy()) == 0
-  assert int(learner.optimizer.iterations.numpy()) == 0
-
-
-def _LoopOver(values, learner, var):
-  """Learner loop whose loss is the element times var; gradient = element."""
-  dataset = tf.data.Dataset.from_tensor_slices(np.array(values, np.float32))
-
-  def ForwardBackward(x):
-    metrics = py_utils.NestedMap(loss=(x * var[0], tf.constant(1.0)))
-    return metrics, [(tf.reshape(x, [1]), var)]
-
-  return learner.BuildLoop(dataset.element_spec, ForwardBackward), iter(dataset)
-
-
-def testLoopRunsStepsInOneCallAndStopsAtTheFirstNonFiniteStep():
-  var = tf.Variable([0.0], name='w')
-  learner = _SgdLearner([var], learning_rate=0.1)
-  loop, it = _LoopOver([1.0, 2.0, float('nan'), 3.0, 4.0], learner, var)
-  out = loop(it, tf.constant(4, tf.int64))  # Stops at the NaN element: step 2.
-  assert not bool(out.finite) and int(learner.global_step.numpy()) == 2
-  np.testing.assert_allclose(var.numpy(), [-0.3], rtol=1e-6)
-  out = loop(it, tf.constant(1, tf.int64))
-  assert bool(out.finite) and int(learner.global_step.numpy()) == 3
-  with pytest.raises(tf.errors.OutOfRangeError):  # One element left: step 4 then the end.
-    loop(it, tf.constant(5, tf.int64))
-  assert int(learner.global_step.numpy()) == 4
-  np.testing.assert_allclose(var.numpy(), [-1.0], rtol=1e-6)
-
-
-def testLoopSetsTheFPropContextStep():
-  var = tf.Variable([0.0], name='w')
-  learner = _SgdLearner([var])
-  seen = tf.Variable(-1, dtype=tf.int64, name='seen')
-  dataset = tf.data.Dataset.from_tensors(np.float32(0.0)).repeat()
-
-  def ForwardBackward(x):
-    seen.assign(tf.cast(py_utils.CurrentContext().step, tf.int64))
-    return _Metrics(0.0), [(tf.reshape(x, [1]), var)]
-
-  loop = learner.BuildLoop(dataset.element_spec, ForwardBackward)
-  loop(iter(dataset), tf.constant(3, tf.int64))
-  assert int(seen.numpy()) == 2  # Steps 0, 1, 2 ran, each under its own step.
 
 
 def testModelInputOverrideReachesTheTaskCheck():

@@ -411,6 +411,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                             self._Step(), split=_SplitBackwards(sched), tracer=self._Tracer(),
                             need_input_grads=before_tape is not None,
                             keep_outputs=with_outputs or sched.whole_batch_loss)
+    loss_scale = py_utils.CurrentContext().loss_scale
     micro_loss_fn = None if sched.whole_batch_loss else metrics_lib.MicroBatchLoss(
         loss_fn, num * self.num_replicas, rows, self.params.batch_dim,
         schedule_lib.Name(self.params.schedule), self._loss_verdicts)
@@ -418,13 +419,14 @@ class PipeliningLayer(base_layer.BaseLayer):
     def OnLoss(one, m):
       if one is None:  # L(*): the whole batch's loss, once over every replica.
         outputs, acts = run.MergedOutputs()
-        batch_metrics, d_outputs, d_acts = self._LossGradients(loss_fn, outputs, acts, labels)
+        batch_metrics, d_outputs, d_acts = self._LossGradients(loss_fn, loss_scale, outputs,
+                                                               acts, labels)
         run.SetOutputGradients(d_outputs, d_acts)
       else:
         outputs, acts = one.MicroBatchOutputs(m)
-        batch_metrics, d_outputs, d_acts = self._LossGradients(
-            micro_loss_fn, outputs, acts, None if labels is None else one.MicroBatchRows(
-                *label_parts[one.replica], m))
+        rows = None if labels is None else one.MicroBatchRows(*label_parts[one.replica], m)
+        batch_metrics, d_outputs, d_acts = self._LossGradients(micro_loss_fn, loss_scale,
+                                                               outputs, acts, rows)
         one.SetMicroBatchOutputGradients(m, d_outputs, d_acts)
       # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
       return batch_metrics
@@ -436,8 +438,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     base_layer.ApplyRecordedUpdates(run.updates)
     metrics = run.losses
     merged = metrics_lib.MergeMetrics([m for m, _ in metrics])
-    # The backward differentiated value * weight of each call: divide by the total weight.
-    scale = 1.0 / merged.loss[1]
+    # The backward differentiated value * weight (* loss_scale) of each call: divide by the
+    # total weight (and the scale).
+    scale = 1.0 / (merged.loss[1] if loss_scale is None else merged.loss[1] * loss_scale)
     grads = py_utils.NestedMap(
         before=theta.before if before_tape is None else self._BeforeGradients(
             theta, before_tape, args, run.MergedInputGradients()),
@@ -509,10 +512,11 @@ class PipeliningLayer(base_layer.BaseLayer):
         self.num_replicas > 1) else [labels]
     return [(part, microbatch.Split(part, num, batch_dim)) for part in parts]
 
-  def _LossGradients(self, loss_fn, outputs, acts, labels=None):
-    """loss_fn's metrics and the gradients of value * weight of their loss: 0 for a weight
-    of 0, also where the value is NaN (a mean over no items: an empty micro-batch, or one
-    whose rows all weigh 0), as a whole batch holding them would have it."""
+  def _LossGradients(self, loss_fn, loss_scale, outputs, acts, labels=None):
+    """loss_fn's metrics and the gradients of value * weight (* loss_scale, unless None) of
+    their loss: 0 for a weight of 0, also where the value is NaN (a mean over no items: an
+    empty micro-batch, or one whose rows all weigh 0), as a whole batch holding them would
+    have it."""
     floats = [x for x in tf.nest.flatten((outputs, acts)) if executor.IsFloatTensor(x)]
     with tf.GradientTape() as tape:
       tape.watch(floats)
@@ -522,6 +526,8 @@ class PipeliningLayer(base_layer.BaseLayer):
       metrics = metrics_lib.AsMetrics(value)
       loss, weight = metrics.loss
       weighted = loss * tf.stop_gradient(weight)
+      if loss_scale is not None:
+        weighted *= tf.cast(loss_scale, weighted.dtype)
     metrics_lib.RefuseWeightsRead(self, tape.watched_variables())
     grads = tape.gradient(weighted, floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     weighs = tf.not_equal(weight, 0)

@@ -231,12 +231,16 @@ class FPropContext:
     at once; the pipeline sets it so recomputed forwards update nothing twice.
   step_stats: a list that pipelines append one timing record per schedule step
     to (opt-in measurement), or None not to measure.
+  loss_scale: None, or a float32 scalar (float16 loss scaling, lingvo_gpipe.loss_scale):
+    ForwardBackward differentiates loss_scale * loss and divides its gradients by
+    it, so they come out unscaled.
   """
   training: bool = True
   step: object = None
   batch_slice: object = None
   updates: object = None
   step_stats: object = None
+  loss_scale: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,6 +271,27 @@ def Context(**changes):
     yield _CONTEXT.get()
   finally:
     _CONTEXT.reset(token)
+
+
+def ScaledGradients(tape, loss, sources):
+  """tape.gradient(loss, sources), unconnected ones 0, through the context's loss scale:
+  scale * loss is differentiated and the gradients divided by the scale, so that a float16
+  backward keeps its small values and the caller gets unscaled gradients."""
+  scale = CurrentContext().loss_scale
+  if scale is not None:
+    with tape:
+      loss = loss * tf.cast(scale, loss.dtype)
+  grads = tape.gradient(loss, sources, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+  if scale is None:
+    return grads
+
+
+  def Unscaled(g):
+    if isinstance(g, tf.IndexedSlices):  # A gathered embedding's gradient stays sparse.
+      return tf.IndexedSlices(Unscaled(g.values), g.indices, g.dense_shape)
+    return g / tf.cast(scale, g.dtype)
+
+  return [Unscaled(g) for g in grads]
 
 
 def EvalMode():
