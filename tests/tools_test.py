@@ -20,7 +20,7 @@ from lingvo_gpipe.core import simulator
 
 _TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tools')
 TOOLS = ('pipeline_benchmark', 'throughput_benchmark', 'memory_curves', 'capacity_benchmark',
-         'print_model', 'plan_balance', 'simulate_schedule', 'cluster_benchmark')
+         'print_model', 'plan_balance', 'simulate_schedule', 'cluster_benchmark', 'gpu_check')
 
 _TINY_TRANSFORMER = ['--layers=2', '--width=16', '--hidden=32', '--rows=4', '--seq_len=8']
 
@@ -48,6 +48,7 @@ def _TinyArgs(tmp):
                             '--micro_batches=1,2', '--schedules=gpipe,zb_h1', '--calls=1',
                             '--steps_per_call=1',
                             '--bubble_steps=1', '--nopin_workers'],
+      'gpu_check': ['--quick', '--device=cpu', '--schedules=1f1b', '--micro_batches=4'],
       'simulate_schedule': ['--stages=2,4', '--micro_batches=4',
                             '--schedules=gpipe,1f1b,zb_h1,zbv',
                             f'--trace_out={tmp}/sim.json'],
@@ -76,9 +77,9 @@ def runs(tmp_path_factory):
   return {tool: (_Start(tool, *args), tmp) for tool, args in _TinyArgs(tmp).items()}
 
 
-def _Output(runs, tool):
+def _Output(runs, tool, timeout=300):
   """(JSON after the table, the table's lines, stderr) of a tool's tiny run."""
-  out, err = _Finish(runs[tool][0])
+  out, err = _Finish(runs[tool][0], timeout)
   lines = out.splitlines()
   first = next(i for i, line in enumerate(lines) if line in ('[', '{'))
   table = [line for line in lines[:first] if line.startswith('|')]
@@ -439,3 +440,21 @@ def testClusterBenchmark(runs):
         point['chunk_costs']['BW' if split else 'W'])
   assert ' W ' in table[-1] and 'hand-over' in table[-1]
   assert '[9/9]' in err  # Progress: 5 baselines and 4 pipelines.
+
+
+def testGpuCheckDryRunOnCpus(runs):
+  results, table, err = _Output(runs, 'gpu_check', timeout=900)
+  assert '[4/4] throughput K=2 float16' in err
+  by_section = {r['section']: r for r in results}
+  assert sorted(by_section) == ['bubble', 'exact', 'memory', 'throughput'] and len(results) == 4
+  assert all(r['device_kind'] == 'CPU' for r in results)
+  exact = by_section['exact']  # check_pipeline: pipelined against unpipelined training.
+  assert exact['ok'] and exact['weights_difference'] <= 1e-5 and exact['schedule'] == '1f1b'
+  memory = by_section['memory']  # Logical CPUs share one allocator: the process's peak.
+  assert not memory['per_device'] and memory['devices'] == ['CPU:0']
+  assert memory['measured_bytes'][0] > 0 and memory['predicted_bytes'][0] > 0
+  assert 0.0 <= by_section['bubble']['bubble'] < 1.0
+  throughput = by_section['throughput']
+  assert throughput['dtype'] == 'float16' and throughput['examples_per_s'] > 0
+  assert throughput['skipped_steps'] >= 1  # 'auto' scales float16 losses; 2^15 overflows.
+  assert any('float16 steps skipped' in line for line in table)
