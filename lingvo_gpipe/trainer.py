@@ -41,7 +41,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import re
 import signal
 import sys
 import time
@@ -57,21 +56,17 @@ import tensorflow as tf
 
 from lingvo_gpipe import base_runner
 from lingvo_gpipe import checkpoint_files
-from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import cluster as cluster_lib
-from lingvo_gpipe import decoder
+from lingvo_gpipe import evaler
+from lingvo_gpipe import jobs
 from lingvo_gpipe import learner as learner_lib
 from lingvo_gpipe import model_registry
 from lingvo_gpipe import pipeline_check
 from lingvo_gpipe import preemption
 from lingvo_gpipe import run_lock
-from lingvo_gpipe import tasks as tasks_lib
 from lingvo_gpipe.core import devices as devices_lib
-from lingvo_gpipe.core import executor
-from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import memory_stats
 from lingvo_gpipe.core import pipeline_params
-from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import schedule as schedule_lib
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
@@ -280,47 +275,7 @@ def ConfigureDevices(run_locally, num_devices):
   logging.info('Devices: %s.', configured)
 
 
-def _MakeWritableDir(path):
-  """Creates `path` if needed and checks that files can be written there (a page of them:
-  a full disk fails here, not in the lock file)."""
-  probe = os.path.join(path, '.write_probe')
-  try:
-    with base_runner.Writing(f'to {path}'):
-      tf.io.gfile.makedirs(path)
-      with tf.io.gfile.GFile(probe, 'w') as f:
-        f.write(' ' * 4096)
-  finally:
-    if tf.io.gfile.exists(probe):
-      tf.io.gfile.remove(probe)
-
-
 # -- jobs --------------------------------------------------------------------------------
-
-
-def _Instantiate(model_params, train_dir, with_learner=False):
-  """(task, global step, Learner or None, Checkpointer of train_dir)."""
-  try:
-    task = model_params.Instantiate().task
-    global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
-    learner = learner_lib.Learner(task.train_params, task.trainable_variables,
-                                  global_step) if with_learner else None
-    for pipe in _Pipelines(task) if with_learner else []:
-      executor.CreateGradientSums(pipe)
-  except ValueError as e:  # A bad config, e.g. from an override (the optimizer's too).
-    raise base_runner.UserError(f'Cannot build the task: {e}') from None
-  checkpointer = checkpointer_lib.Checkpointer(
-      train_dir, task.variables, global_step, learner and learner.state,
-      max_to_keep=FLAGS.checkpoint_max_to_keep)
-  return task, global_step, learner, checkpointer
-
-
-def _StepPlacement(on_cluster):
-  """Where the ops a model leaves unplaced go: on a cluster with their inputs, not the client."""
-  return cluster_lib.ColocatedWithInputs() if on_cluster else contextlib.nullcontext()
-
-
-def _Pipelines(task):
-  return [m for m in task.submodules if isinstance(m, gpipe.PipeliningLayer)]
 
 
 def _Describe(pipe):
@@ -341,7 +296,7 @@ def _CheckBuiltPipelines(task, batch_size):
   CheckPipelineBatches passed it) splits the training batch into empty micro-batches."""
   if batch_size is None:
     return
-  for pipe in _Pipelines(task):
+  for pipe in jobs.Pipelines(task):
     try:
       pipeline_params.CheckBatch(pipe.params, batch_size, 'input.batch_size', pipe.path)
     except ValueError as e:
@@ -352,7 +307,7 @@ def _TracedWork(task, batch_size):
   """What tracing a step of the task builds, e.g. 'K=8, M=64, zb_h1, 1,600 actions' per
   pipeline: each action is one call of a function traced once per chunk."""
   parts = []
-  for pipe in _Pipelines(task):
+  for pipe in jobs.Pipelines(task):
     sched = pipe.GetSchedule(batch_size) if batch_size else None
     actions = f', {len(sched.steps) * pipe.num_replicas:,} actions' if sched else ''
     m = sched.num_micro_batches if sched else pipe.params.num_micro_batches
@@ -366,7 +321,7 @@ def _PipelineNames(task):
   tracks and logs; ({}, '') unless it has exactly one. The label is the configured
   schedule's (schedule.Name): the records do not show where the loss runs, so read off
   the actions a fill-drain text with per-micro-batch losses would pass for 'gpipe'."""
-  pipes = _Pipelines(task)
+  pipes = jobs.Pipelines(task)
   if len(pipes) != 1:
     return {}, ''
   pipe, = pipes
@@ -407,15 +362,16 @@ def RunTrainer(model_params, logdir, input_device=None, stop=None):
   # What the params build is checked before anything is written.
   with tf.device(input_device):
     generator = base_runner.InputGenerator(model_params.input)
-  built = _Instantiate(model_params, train_dir, with_learner=True)
+  built = jobs.Instantiate(model_params, train_dir, with_learner=True,
+                          max_to_keep=FLAGS.checkpoint_max_to_keep)
   _CheckBuiltPipelines(built[0], base_runner.InputBatchSize(model_params))
-  _MakeWritableDir(train_dir)
+  jobs.MakeWritableDir(train_dir)
   with run_lock.RunLock(train_dir):
     _Train(model_params, settings, built, generator, logdir, input_device, stop)
 
 
 def _Train(model_params, settings, built, generator, logdir, input_device, stop):
-  """RunTrainer's work, holding the lock of the train dir: `built` is _Instantiate's."""
+  """RunTrainer's work, holding the lock of the train dir: `built` is jobs.Instantiate's."""
   task, global_step, learner, checkpointer = built
   train_dir = checkpointer.directory
   checkpointer.Recover()
@@ -430,12 +386,12 @@ def _Train(model_params, settings, built, generator, logdir, input_device, stop)
 
   def ForwardBackward(batch):
     theta = task.theta
-    with _StepPlacement(input_device is not None):
+    with jobs.StepPlacement(input_device is not None):
       metrics, grads = task.ForwardBackward(theta, batch)
     return metrics, learner_lib.GradientsAndVariables(theta, grads)
 
   batch_size = base_runner.BatchSize(dataset.element_spec)
-  for pipe in _Pipelines(task):
+  for pipe in jobs.Pipelines(task):
     logging.info('Pipeline %s.', _Describe(pipe))
   started = time.perf_counter()
   logging.info('Tracing the training step: %s ...', _TracedWork(task, batch_size))
@@ -446,7 +402,7 @@ def _Train(model_params, settings, built, generator, logdir, input_device, stop)
   logging.info('Traced the training step in %.1f s; its first run optimizes the graph.',
                time.perf_counter() - started)
   # Once the run can start (the params build, the checkpoints fit them, the input makes a
-  # dataset): where it ends, for an evaler (_TrainersMaxSteps).
+  # dataset): where it ends, for an evaler (evaler._TrainersMaxSteps).
   params_path = os.path.join(train_dir, 'params.txt')
   with base_runner.Writing(params_path), tf.io.gfile.GFile(params_path, 'w') as f:
     f.write(model_params.ToText())
@@ -462,189 +418,6 @@ def _Train(model_params, settings, built, generator, logdir, input_device, stop)
   logging.info('Trained to step %d. Latest checkpoint: %s; TensorBoard: tensorboard --logdir=%s',
                step, checkpointer.latest, logdir)
 
-
-def RunEvaler(model_params, logdir, dataset_name, on_cluster=False, decode=False):
-  """Evaluates checkpoints of <logdir>/train, summaries in <logdir>/eval_<dataset>; with
-  `decode`, decodes them (lingvo_gpipe.decoder), in <logdir>/decoder_<dataset> with the
-  decodes of each checkpoint in decodes-<step>.txt.
-
-  on_cluster: the pipelines run on a cluster's workers; ops the model leaves
-  unplaced stay with their inputs. Batches are made here (evaluation reads
-  them one by one).
-  """
-  if FLAGS.eval_timeout_secs is not None and FLAGS.eval_timeout_secs <= 0:
-    raise base_runner.UserError(
-        f'--eval_timeout_secs must be > 0, got {FLAGS.eval_timeout_secs:g}.')
-  base_runner.CheckPipelineBatches(model_params)
-  train_dir = os.path.join(logdir, 'train')
-  job = f'{"decoder" if decode else "eval"}_{dataset_name.lower()}'
-  eval_dir = os.path.join(logdir, job)
-  task, global_step, _, checkpointer = _Instantiate(model_params, train_dir)
-  measure = (_Decoding(task, eval_dir, on_cluster) if decode else
-             _Evaluation(task, on_cluster))
-  newest = checkpointer.Newest() if FLAGS.eval_once else None
-  if FLAGS.eval_once and not newest:
-    raise base_runner.UserError(f'No checkpoint in {train_dir} to evaluate.')
-  dataset = base_runner.InputDataset(model_params.input)
-  if FLAGS.eval_batches is None and dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
-    raise base_runner.UserError(f'The {dataset_name} input repeats forever: set its num_batches '
-                                'or --eval_batches.')
-
-  _MakeWritableDir(eval_dir)
-  writer = tf.summary.create_file_writer(eval_dir)
-
-  def EvaluateCheckpoint(path):
-    """The step of `path` once evaluated, or None if rotation removed it while it loaded."""
-    try:
-      checkpointer.Restore(path)
-    except checkpoint_files.READ_ERRORS as e:
-      if checkpoint_files.Exists(path):
-        raise base_runner.UserError(f'Cannot load checkpoint {path}: '
-                                    f'{checkpoint_files.ReadErrorLine(e)}') from None
-      logging.warning('Checkpoint %s was removed (rotation) while it was loaded; skipped.', path)
-      return None
-    step = int(global_step.numpy())
-    metrics, num_batches = measure(dataset, step, writer)
-    base_runner.WriteScalars(writer, step, metrics)
-    logging.info('%s step %d (%d batches): %s', job, step, num_batches,
-                 '  '.join(f'{k} {v:.5g}' for k, v in sorted(metrics.items())))
-    bad = sorted(k for k, v in metrics.items() if not math.isfinite(v))
-    if bad:
-      raise base_runner.NonFiniteError(
-          f'{job} of {path} (step {step}): '
-          f'{", ".join(f"{k} {metrics[k]}" for k in bad)} not finite.')
-    return step
-
-  if FLAGS.eval_once:
-    if EvaluateCheckpoint(newest) is None:
-      raise base_runner.UserError(f'Checkpoint {newest} was removed before it was evaluated.')
-    return
-  max_steps = _TrainersMaxSteps(train_dir, model_params.train.max_steps)
-  logging.info('Waiting for checkpoints in %s; evaluating until train.max_steps=%d.', train_dir,
-               max_steps)
-  step = None
-  for path in _NewCheckpoints(checkpointer, FLAGS.eval_timeout_secs):
-    evaluated = EvaluateCheckpoint(path)
-    step = step if evaluated is None else evaluated
-    max_steps = _TrainersMaxSteps(train_dir, model_params.train.max_steps)  # It may resume.
-    if step is not None and step >= max_steps:
-      return
-  evaluated = 'none evaluated yet' if step is None else f'last evaluated: step {step}'
-  raise base_runner.UserError(
-      f'No new checkpoint in {train_dir} for --eval_timeout_secs={FLAGS.eval_timeout_secs:g} '
-      f'({evaluated}, train.max_steps={max_steps}): is the trainer running?')
-
-
-def _Evaluation(task, on_cluster):
-  """(dataset, step, writer) -> (metrics of the task's FPropTower, batches evaluated)."""
-  @tf.function(autograph=False)
-  def EvalStep(batch):
-    with py_utils.EvalMode(), _StepPlacement(on_cluster):
-      return task.FPropTower(task.theta, batch)
-
-  def Measure(dataset, step, writer):
-    del step, writer  # Written by the caller.
-    return base_runner.Evaluate(EvalStep, dataset, FLAGS.eval_batches)
-
-  return Measure
-
-
-# Decodes shown in TensorBoard's text tab per checkpoint (all are in decodes-<step>.txt).
-_DECODES_SHOWN = 8
-
-
-def _CheckDecodes(task, flag):
-  """A UserError unless `task` decodes (--flag asks it to)."""
-  if not isinstance(task, tasks_lib.DECODING_TASKS):
-    raise base_runner.UserError(
-        f'--{flag} decodes sequence tasks '
-        f'({", ".join(c.__name__ for c in tasks_lib.DECODING_TASKS)}); the task of '
-        f'--model={FLAGS.model} is {type(task).__name__}.')
-
-
-def _Decoding(task, decode_dir, on_cluster):
-  """(dataset, step, writer) -> (exact_match and bleu of the decodes, batches decoded); the
-  decodes go to <decode_dir>/decodes-<step>.txt and TensorBoard's text tab."""
-  _CheckDecodes(task, f'job={FLAGS.job}')
-  p = task.params.decoder
-
-  @tf.function(autograph=False)
-  def DecodeStep(batch):
-    with _StepPlacement(on_cluster):
-      return decoder.Decode(task, task.theta, batch)
-
-  def Measure(dataset, step, writer):
-    lines = []
-
-    def DecodeBatch(batch):
-      examples = decoder.Examples({k: v.numpy() for k, v in DecodeStep(batch).items()})
-      lines.extend(decoder.Line(p, example) for example in examples)
-      return decoder.BatchMetrics(examples, p.eos_id)
-
-    means, num_batches = base_runner.Evaluate(DecodeBatch, dataset, FLAGS.eval_batches)
-    path = os.path.join(decode_dir, f'decodes-{step}.txt')
-    with base_runner.Writing(path), tf.io.gfile.GFile(path, 'w') as f:
-      f.write(decoder.LINE_HEADER + ''.join(line + '\n' for line in lines))
-    with base_runner.Writing('TensorBoard summaries'), writer.as_default(step=step):
-      tf.summary.text('decodes', decoder.Markdown(lines[:_DECODES_SHOWN]))
-    logging.info('Decodes of step %d: %s', step, path)
-    return decoder.FinalMetrics(means), num_batches
-
-  return Measure
-
-
-def _WithTrainersSettings(override, dataset_name):
-  """`override` after the settings the trainer of --logdir ran with (its params.txt) that
-  the evaluated data shares (base_runner.TrainersSettings): an evaler evaluates the model the
-  trainer trained, on the data source it trained on, unless its own override says otherwise."""
-  path = os.path.join(FLAGS.logdir, 'train', 'params.txt')
-  try:
-    with tf.io.gfile.GFile(path) as f:
-      recorded = f.read()
-  except tf.errors.NotFoundError:
-    return override
-  own = set(base_runner.OverrideKeys(override))
-  taken = [line for line in base_runner.TrainersSettings(FLAGS.model, dataset_name, recorded)
-           if line.split(' : ', 1)[0] not in own]
-  if taken:
-    logging.info("Evaluating with the trainer's settings (%s): %s", path, '; '.join(taken))
-  return '\n'.join(taken + [override])
-
-
-def _TrainersMaxSteps(train_dir, own):
-  """The step an evaler evaluates up to: --max_steps if given, else its train.max_steps or
-  less if the trainer of train_dir runs to less (its params.txt, e.g. from the trainer's own
-  --max_steps), since no checkpoint beyond that will come. An evaler started before a
-  trainer resumes with more steps stops at the old end: give it --max_steps.
-  """
-  if FLAGS.max_steps is not None:
-    return own
-  try:
-    with tf.io.gfile.GFile(os.path.join(train_dir, 'params.txt')) as f:
-      found = re.search(r'^train\.max_steps : (\d+)$', f.read(), re.M)
-  except tf.errors.NotFoundError:
-    return own
-  return min(own, int(found.group(1))) if found else own
-
-
-def _NewCheckpoints(checkpointer, timeout_secs, poll_secs=1.0):
-  """Yields the newest intact checkpoint each time there is a newer one than the last.
-
-  Found by listing and verifying (Checkpointer.Newest), not by the state file.
-  Ends when none arrives for timeout_secs after the last (None: waits forever).
-  """
-  last, deadline = -1, None
-  while True:
-    path = checkpointer.Newest(after=last)
-    if path:
-      last, deadline = checkpoint_files.Step(path), None
-      yield path
-      continue
-    if timeout_secs is not None:
-      deadline = deadline or time.time() + timeout_secs
-      if time.time() >= deadline:
-        return
-    time.sleep(poll_secs)
 
 
 def RunWorker(cluster):
@@ -674,8 +447,8 @@ def RunClusterClient(model_params, cluster, dataset_name):
     if cluster.job == 'trainer_client':
       RunTrainer(model_params, FLAGS.logdir, cluster_lib.InputDevice(), stop)
     else:
-      RunEvaler(model_params, FLAGS.logdir, dataset_name, on_cluster=True,
-                decode=_Decodes())
+      evaler.Run(model_params, FLAGS.logdir, dataset_name, _EvalSettings(), on_cluster=True,
+                 decode=_Decodes())
 
   # Signal handlers can only be set here, in the main thread.
   with (preemption.StopOnSignals() if cluster.job == 'trainer_client' else
@@ -750,7 +523,7 @@ def _Run():
   dataset_name = {'dev': 'Dev', 'test': 'Test'}.get(FLAGS.job.split('_')[-1], 'Train')
   override = FLAGS.model_params_override
   if dataset_name != 'Train' and FLAGS.mode == 'sync' and FLAGS.logdir:
-    override = _WithTrainersSettings(override, dataset_name)
+    override = evaler.WithTrainersSettings(FLAGS.logdir, FLAGS.model, override, dataset_name)
   model_params = base_runner.LoadModelParams(FLAGS.model, dataset_name, override,
                                              FLAGS.max_steps)
   if not model_registry.GetClass(FLAGS.model).Defines(dataset_name):
@@ -786,33 +559,22 @@ def _Run():
     return
   _SetUpLocalDevices(model_params, cluster)
   if FLAGS.mode == 'export_decoder':
-    _ExportDecoder(model_params)
+    evaler.ExportDecoder(model_params, FLAGS.logdir, FLAGS.export_dir, FLAGS.model)
   elif FLAGS.job == 'controller,trainer':
     with preemption.StopOnSignals() as stop:
       RunTrainer(model_params, FLAGS.logdir, stop=stop)
   else:
-    RunEvaler(model_params, FLAGS.logdir, dataset_name, decode=_Decodes())
+    evaler.Run(model_params, FLAGS.logdir, dataset_name, _EvalSettings(), decode=_Decodes())
 
 
 def _Decodes():
   return FLAGS.job.startswith('decoder_')
 
 
-def _ExportDecoder(model_params):
-  """--mode=export_decoder: the latest checkpoint's decoder as a SavedModel."""
-  train_dir = os.path.join(FLAGS.logdir, 'train')
-  task, global_step, _, checkpointer = _Instantiate(model_params, train_dir)
-  _CheckDecodes(task, 'mode=export_decoder')
-  newest = checkpointer.Newest()
-  if not newest:
-    raise base_runner.UserError(f'No checkpoint in {train_dir} to export.')
-  checkpointer.Restore(newest)
-  step = int(global_step.numpy())
-  export_dir = FLAGS.export_dir or os.path.join(FLAGS.logdir, 'export', f'decoder-{step}')
-  with base_runner.Writing(export_dir):
-    decoder.Export(task, export_dir)
-  logging.info('Exported the decoder of %s (step %d) to %s: serve its serving_default '
-               'signature with tf.saved_model.load.', newest, step, export_dir)
+def _EvalSettings():
+  return evaler.EvalSettings(job=FLAGS.job, model=FLAGS.model, once=FLAGS.eval_once,
+                             timeout_secs=FLAGS.eval_timeout_secs, batches=FLAGS.eval_batches,
+                             max_steps_given=FLAGS.max_steps is not None)
 
 
 def main(argv):
