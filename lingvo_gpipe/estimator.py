@@ -44,7 +44,6 @@ from lingvo_gpipe import checkpoint_files
 from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import learner as learner_lib
 from lingvo_gpipe import run_lock
-from lingvo_gpipe.core import executor
 from lingvo_gpipe.core import metrics as metrics_lib
 from lingvo_gpipe.core import py_utils
 
@@ -138,7 +137,7 @@ def RegistryInputFn(key, dataset, model_params_override=''):
 class _VariableStore(tf.Module):
   """The model's variables by name: created by the first trace of model_fn, then reused.
 
-  A pipeline's scratch variables (executor.SCRATCH_SCOPE: gradient sums, clocks) are
+  A pipeline's scratch variables (py_utils.SCRATCH_SCOPE: gradient sums, clocks) are
   reused by name too, but are not the model's: not in `variables`, never saved.
   """
 
@@ -160,7 +159,7 @@ class _VariableStore(tf.Module):
 
     def Creator(next_creator, **kwargs):
       name = kwargs.get('name')
-      if name and name.startswith(executor.SCRATCH_SCOPE + '/'):
+      if name and name.startswith(py_utils.SCRATCH_SCOPE + '/'):
         if name not in self._scratch:
           self._scratch[name] = next_creator(**kwargs)
         return self._scratch[name]

@@ -10,7 +10,7 @@ from lingvo_gpipe import base_runner
 from lingvo_gpipe import checkpointer as checkpointer_lib
 from lingvo_gpipe import cluster as cluster_lib
 from lingvo_gpipe import learner as learner_lib
-from lingvo_gpipe.core import executor
+from lingvo_gpipe.core import cell_functions
 from lingvo_gpipe.core import gpipe
 
 
@@ -36,7 +36,7 @@ def Instantiate(model_params, train_dir, with_learner=False, max_to_keep=5):
     learner = learner_lib.Learner(task.train_params, task.trainable_variables,
                                   global_step) if with_learner else None
     for pipe in Pipelines(task) if with_learner else []:
-      executor.CreateGradientSums(pipe)
+      cell_functions.CreateGradientSums(pipe)
   except ValueError as e:  # A bad config, e.g. from an override (the optimizer's too).
     raise base_runner.UserError(f'Cannot build the task: {e}') from None
   checkpointer = checkpointer_lib.Checkpointer(

@@ -1,30 +1,7 @@
-"""The executor's own helpers; the schedules it runs are tested against the plain model in
+"""The executor's hand-overs; the schedules it runs are tested against the plain model in
 gpipe_test and transparency_test."""
 
 import tensorflow as tf
-
-from lingvo_gpipe.core import executor
-from lingvo_gpipe.core import py_utils
-
-
-class _RecordingTape:
-
-  def __init__(self):
-    self.watched = []
-
-  def watch(self, tensors):
-    self.watched += list(tensors)
-
-
-def testOnlyFloatInputsAndWeightsAreWatched():
-  """A Keras layer's integer state (a dropout seed) is no weight: watching it made TensorFlow
-  warn at every fit."""
-  theta = py_utils.NestedMap(w=tf.Variable([1.0]), seed=tf.Variable([1, 2], dtype=tf.int64))
-  args = (tf.constant([2.0]), tf.constant([3], tf.int32))
-  tape = _RecordingTape()
-  executor._Watch(tape, theta, args)  # pylint: disable=protected-access
-  assert sorted(x.dtype.name for x in tape.watched) == ['float32', 'float32']
-  assert any(x is theta.w for x in tape.watched) and any(x is args[0] for x in tape.watched)
 
 
 def _TwoStagePipe(sched, **overrides):
@@ -92,21 +69,3 @@ def testStagesSharingADeviceHandOverWithoutACopy():
   shared = _TwoStagePipe('1f1b', devices=['/device:CPU:0'], allow_device_reuse=True)
   assert not _CopiedHandOvers(_StepGraph(shared))
   assert _CopiedHandOvers(_StepGraph(_TwoStagePipe('1f1b'))) == {'hand_over_to_chunk1_0'}
-
-
-def testAStampWaitsForAGpuTensorsFirstElementOnTheHost():
-  """A GPU kernel ends after its op returns: the stamp's token is a host copy of one element."""
-  with tf.Graph().as_default():
-    with tf.device('/device:CPU:1'):
-      on_cpu = tf.zeros([3, 4])
-    with tf.device('/job:worker/replica:0/task:1/device:GPU:0'):
-      on_gpu = tf.zeros([3, 4])
-      flag = tf.constant(True)
-    tokens = executor.CompletionTokens((on_cpu, (on_gpu, flag)))
-    assert tokens[0] is on_cpu
-    copy = tokens[1]
-    assert copy.op.type == 'Identity' and copy.device == '/job:worker/replica:0/task:1/device:CPU:0'
-    first = copy.op.inputs[0]
-    assert first.op.type == 'StridedSlice' and 'GPU:0' in first.device
-    assert first.shape == [1] and first.op.inputs[0].op.inputs[0] is on_gpu
-    assert tokens[2].op.type == 'Identity'  # A bool made on the GPU is waited for the same way.

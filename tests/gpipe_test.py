@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.core import executor
+from lingvo_gpipe.core import cell_functions
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import memory_stats
@@ -255,7 +255,7 @@ def testInsideTfFunction(k, m, sched):
   """Exact, and traced once where a step is given and the gradient sums are made (as the
   trainer does): a trace that makes variables makes tf.function trace the step again."""
   pipe = _Pipe(k, m, 'except_last', sched)
-  executor.CreateGradientSums(pipe)
+  cell_functions.CreateGradientSums(pipe)
   x = _Input()
   ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
   traces = []
@@ -286,7 +286,7 @@ def testStepsTracedApartReuseTheChunksFunctions(sched):
   per training flag): a second step function, an eval pass and more calls trace no chunk
   function again, and each step function once."""
   pipe = _Pipe(2, 4, 'always', sched)
-  executor.CreateGradientSums(pipe)
+  cell_functions.CreateGradientSums(pipe)
   steps = [tf.function(lambda x: pipe.ForwardBackward(pipe.theta, x, _Loss)[0])
            for _ in range(2)]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import executor
+from lingvo_gpipe.core import cell_functions
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import pipeline_stats
@@ -242,7 +242,7 @@ def testAMeasuredStepIsTracedOnce():
   """The clocks' variables are made with the pipeline: made by the step's trace, they made
   tf.function trace the step again (as would the gradient sums, made here first)."""
   pipe = _Pipe(2, 2, 'always', '1f1b')
-  executor.CreateGradientSums(pipe)
+  cell_functions.CreateGradientSums(pipe)
   x = tf.random.stateless_normal([BATCH, DIM], [1, 2])
   traces = []
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import executor
+from lingvo_gpipe.core import cell_functions
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import py_utils
@@ -67,7 +67,7 @@ def _Pipeline(sched, remat, loop, m=12, rows=24, before=False):
     p.before_tpl = [layers.ProjectionLayer.Params().Set(name='proj', input_dim=8,
                                                         output_dim=8)]
   pipe = p.Instantiate()
-  executor.CreateGradientSums(pipe)
+  cell_functions.CreateGradientSums(pipe)
   return pipe
 
 

@@ -123,6 +123,16 @@ def RunIsolated(script, config, timeout=None):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def RunPoints(script, points, describe):
+  """Runs each point in a fresh process (RunIsolated) with a progress line
+  describe(config, result) after it; returns the results."""
+  results = []
+  for i, config in enumerate(points, 1):
+    results.append(RunIsolated(script, config))
+    Progress(i, len(points), describe(config, results[-1]))
+  return results
+
+
 def _Point(config):
   """The point's settings a reader tells apart, e.g. 'K=2 M=8'."""
   keys = ('schedule', 'stages', 'micro_batches', 'remat')

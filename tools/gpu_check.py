@@ -95,13 +95,13 @@ def _Training(tf, params):
   """(run(n): n training steps in one call, the task): the trainer's Learner and step."""
   from lingvo_gpipe import base_runner  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe import learner as learner_lib  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import executor  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import cell_functions  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   task = params.task.Instantiate()
   step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
   learner = learner_lib.Learner(task.train_params, task.trainable_variables, step)
   for pipe in (m for m in task.submodules if isinstance(m, gpipe.PipeliningLayer)):
-    executor.CreateGradientSums(pipe)
+    cell_functions.CreateGradientSums(pipe)
 
   def ForwardBackward(batch):
     metrics, grads = task.ForwardBackward(task.theta, batch)
@@ -240,12 +240,9 @@ def main(argv):
     return
   points = _Points()
   start = time.time()
-  results = []
-  for i, config in enumerate(points, 1):
-    results.append(bench_utils.RunIsolated(__file__, config))
-    bench_utils.Progress(i, len(points), f"{config['section']} K={config['stages']} "
-                         f"{config.get('dtype') or config['schedule']}: done after "
-                         f'{time.time() - start:.0f} s')
+  results = bench_utils.RunPoints(__file__, points, lambda c, _: (
+      f"{c['section']} K={c['stages']} {c.get('dtype') or c['schedule']}: done after "
+      f'{time.time() - start:.0f} s'))
   kinds = sorted({r['device_kind'] for r in results})
   where = 'a split GPU' if kinds == ['GPU'] else 'logical CPU devices sharing one allocator'
   notes = [f'gpu_check on {", ".join(kinds)} ({where}), {len(points)} points in '

@@ -251,12 +251,9 @@ def main(argv):
     return
   points = _Points()
   load_before = bench_utils.Load()
-  results = []
-  for i, config in enumerate(points, 1):
-    results.append(bench_utils.RunIsolated(__file__, config))
-    bench_utils.Progress(i, len(points), f"K={config['stages']} M={config['micro_batches']} "
-                         f"{config['remat_policy']}: peak {results[-1]['peak_mb']:.1f} MB, "
-                         f"{results[-1]['step_s']:.3g} s")
+  results = bench_utils.RunPoints(__file__, points, lambda c, r: (
+      f"K={c['stages']} M={c['micro_batches']} {c['remat_policy']}: peak {r['peak_mb']:.1f} MB, "
+      f"{r['step_s']:.3g} s"))
   plain = results[0]
   pipelined = [r for r in results[1:] if r['sweep'] != 'N']
   (alpha, beta, gamma), fitted = Fit(pipelined)

@@ -60,7 +60,7 @@ def _RunOne(config):
   k, m, sched = config['stages'], config['micro_batches'], config['schedule']
   v = bench_utils.VIRTUAL_STAGES.get(sched, 1)
   tf = bench_utils.SetUpDevices(k)
-  from lingvo_gpipe.core import executor  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.core import cell_functions  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import py_utils  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.core import steady_state  # pylint: disable=g-import-not-at-top
@@ -69,7 +69,7 @@ def _RunOne(config):
   pipe = gpipe.PipeliningLayer.Params().Set(
       name='pipe', cell_tpl=cells, num_micro_batches=m, remat=config['remat'], schedule=sched,
       virtual_stages=v, loop_steady_state=config['loop_steady_state']).Instantiate()
-  executor.CreateGradientSums(pipe)  # As the trainer does before it traces.
+  cell_functions.CreateGradientSums(pipe)  # As the trainer does before it traces.
   x = tf.random.stateless_normal(shape, [1, 2])
 
   @tf.function(autograph=False)

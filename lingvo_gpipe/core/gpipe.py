@@ -14,7 +14,7 @@ into M micro-batches. One micro-batch's path through a training step:
      and takes the gradients of its input (B) and weights (W), fused (BW) or
      split so that W can fill the pipeline's bubbles;
   5. accumulation: each weight gradient is added in place to the chunk's
-     running sum (executor.GradientSum) as soon as the backward makes it, so
+     running sum (cell_functions.GradientSum) as soon as the backward makes it, so
      beside the sum about one layer's fresh gradient exists, not a second sum;
   6. reassembly: outputs and input gradients are concatenated back.
 
@@ -32,6 +32,7 @@ from absl import logging
 import tensorflow as tf
 
 from lingvo_gpipe.core import base_layer
+from lingvo_gpipe.core import cell_functions
 from lingvo_gpipe.core import devices as devices_lib
 from lingvo_gpipe.core import executor
 from lingvo_gpipe.core import hyperparams
@@ -43,13 +44,14 @@ from lingvo_gpipe.core import profiler
 from lingvo_gpipe.core import py_utils
 from lingvo_gpipe.core import remat as remat_lib
 from lingvo_gpipe.core import schedule as schedule_lib
+from lingvo_gpipe.core import step_timing
 
 REMAT_MODES = ('always', 'except_last', 'never')
 
 
 def _CastFloats(structure, dtype):
   return tf.nest.map_structure(
-      lambda x: tf.cast(x, dtype) if executor.IsFloatTensor(x) and x.dtype != dtype else x,
+      lambda x: tf.cast(x, dtype) if py_utils.IsFloatTensor(x) and x.dtype != dtype else x,
       structure)
 
 
@@ -184,9 +186,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     self.CreateChildren('before', p.before_tpl, devices=[self._devices[0]] * len(p.before_tpl))
     self.CreateChildren('cell', remat_lib.PolicyCells(p.cell_tpl, p.cell_remat_policy, self.path),
                         devices=self.ReplicaDevices(0))
-    self._cell_functions = [[executor.CellFunctions(self, c, device, r) for c, device in
+    self._cell_functions = [[cell_functions.CellFunctions(self, c, device, r) for c, device in
                              enumerate(self.ReplicaDevices(r))] for r in range(p.num_replicas)]
-    self._clocks = executor.DeviceClocks(self._devices[:self.num_stages], self.path)
+    self._clocks = step_timing.DeviceClocks(self._devices[:self.num_stages], self.path)
     self._loss_verdicts = metrics_lib.LossVerdicts()  # A loss is probed once per signature.
 
   @property
@@ -458,7 +460,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   def _Tracer(self):
     """A StepTracer when the context collects step timings, else None."""
     records = py_utils.CurrentContext().step_stats
-    return None if records is None else executor.StepTracer(records, self._clocks)
+    return None if records is None else step_timing.StepTracer(records, self._clocks)
 
   def _Step(self):
     """This training pass's step (BaseLayer.TrainingStep), read once for all its cells."""
@@ -491,7 +493,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       return args, None
     tape = tf.GradientTape(watch_accessed_variables=False)
     with tape:
-      tape.watch([x for x in tf.nest.flatten(theta.before) if executor.IsFloatTensor(x)])
+      tape.watch([x for x in tf.nest.flatten(theta.before) if py_utils.IsFloatTensor(x)])
       args = self._Before(theta, args)
     return args, tape
 
@@ -517,7 +519,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     their loss: 0 for a weight of 0, also where the value is NaN (a mean over no items: an
     empty micro-batch, or one whose rows all weigh 0), as a whole batch holding them would
     have it."""
-    floats = [x for x in tf.nest.flatten((outputs, acts)) if executor.IsFloatTensor(x)]
+    floats = [x for x in tf.nest.flatten((outputs, acts)) if py_utils.IsFloatTensor(x)]
     with tf.GradientTape() as tape:
       tape.watch(floats)
       result = self._Result(outputs, acts)
@@ -533,7 +535,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     weighs = tf.not_equal(weight, 0)
     grads = iter(tf.where(weighs, g, tf.zeros_like(g)) for g in map(tf.convert_to_tensor, grads))
     d_outputs, d_acts = tf.nest.map_structure(
-        lambda x: next(grads) if executor.IsFloatTensor(x) else None, (outputs, acts))
+        lambda x: next(grads) if py_utils.IsFloatTensor(x) else None, (outputs, acts))
     return (metrics, isinstance(value, dict)), d_outputs, d_acts
 
   def _DifferentiablePipeline(self, thetas, args, num):
@@ -557,7 +559,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     def Pipeline(*tensors):
       # stop_gradient: the caller's tape must not record (and keep) cell internals.
       stopped = [tf.stop_gradient(x) for x in tensors]
-      run_args = executor.Replaced(flat_args, arg_pos, stopped[len(flat_theta):])
+      run_args = py_utils.Replaced(flat_args, arg_pos, stopped[len(flat_theta):])
       run = executor.Replicas(self, tf.nest.pack_sequence_as(thetas, stopped[:len(flat_theta)]),
                               tf.nest.pack_sequence_as(args, run_args), num, self.params.remat,
                               step, split=_SplitBackwards(sched), tracer=tracer)
@@ -569,7 +571,7 @@ class PipeliningLayer(base_layer.BaseLayer):
 
       def Grad(*d_tensors):
         d_out = tf.nest.pack_sequence_as(
-            structure, executor.Replaced([None] * len(flat_out), out_pos, d_tensors))
+            structure, py_utils.Replaced([None] * len(flat_out), out_pos, d_tensors))
         run.SetOutputGradients(*d_out)
         run.Execute(actions[loss_at + 1:])
         d_args = tf.nest.flatten(run.MergedInputGradients())
@@ -579,7 +581,7 @@ class PipeliningLayer(base_layer.BaseLayer):
 
     out_tensors = Pipeline(*flat_theta, *[flat_args[i] for i in arg_pos])
     base_layer.ApplyRecordedUpdates(box['run'].updates)
-    flat_out = executor.Replaced(box['flat_out'], box['out_pos'], out_tensors)
+    flat_out = py_utils.Replaced(box['flat_out'], box['out_pos'], out_tensors)
     return tf.nest.pack_sequence_as(box['structure'], flat_out)
 
 

@@ -1,7 +1,7 @@
 """Pipeline statistics of a real run: busy and idle time per stage, the measured bubble, traces.
 
 Under `py_utils.Context(step_stats=records)` a PipeliningLayer appends one
-record per schedule action it runs (executor.StepTracer): replica, stage (the
+record per schedule action it runs (step_timing.StepTracer): replica, stage (the
 device), chunk, kind ('F', 'B', 'W' or 'BW'), micro_batch, and tf.timestamp()
 seconds start (inputs ready), end (outputs exist) and, for a re-materialized
 backward, recompute_end. This module turns

@@ -273,6 +273,30 @@ def Context(**changes):
     _CONTEXT.reset(token)
 
 
+# The scope of the variables a pipeline makes for itself (gradient sums, clocks): not
+# the model's and never saved; a runner that manages variables by name (estimator.py)
+# leaves them alone.
+SCRATCH_SCOPE = 'pipeline_scratch'
+
+
+def IsFloatTensor(x):
+  """Whether x is a floating tensor or variable (what has gradients)."""
+  return isinstance(x, (tf.Tensor, tf.Variable)) and x.dtype.is_floating
+
+
+def Replaced(values, positions, replacements):
+  """A copy of `values` with values[positions[i]] = replacements[i]."""
+  values = list(values)
+  for i, x in zip(positions, replacements):
+    values[i] = x
+  return values
+
+
+def Tensors(structure):
+  """The tensors of a structure (what an op waits for to wait for all of it)."""
+  return [x for x in tf.nest.flatten(structure) if isinstance(x, tf.Tensor)]
+
+
 def ScaledGradients(tape, loss, sources):
   """tape.gradient(loss, sources), unconnected ones 0, through the context's loss scale:
   scale * loss is differentiated and the gradients divided by the scale, so that a float16

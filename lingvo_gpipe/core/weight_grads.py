@@ -2,7 +2,7 @@
 
 A zero-bubble schedule splits a chunk's backward into B, the input gradient the
 stage before waits for, and W, the weight gradient, run later to fill a bubble.
-Both are one call of a traced function each (executor.CellFunctions), so W
+Both are one call of a traced function each (cell_functions.CellFunctions), so W
 cannot read B's tape: what W needs crosses from B as tensors.
 
 While B traces the chunk's forward, `WeightGradPlan.Trace` reads the ops it
