@@ -356,18 +356,18 @@ class Estimator:
     """Writes a SavedModel of the latest checkpoint's predictions; returns export_dir.
 
     Its 'serving_default' signature takes the features of input_fn's elements
-    (as keyword arguments; a single tensor is named 'features', and the batch
-    size is the predict batch size) and returns the predictions. Serving it
-    needs only TensorFlow.
+    (as keyword arguments; a single tensor is named 'features'), batches of any
+    size, and returns the predictions. Serving it needs only TensorFlow.
     """
     dataset = self._Dataset(input_fn, ModeKeys.PREDICT)
     self._Restore(dataset.element_spec, ModeKeys.PREDICT)
     spec, _ = _Features(dataset.element_spec)
     single = isinstance(spec, tf.TensorSpec)
     specs = {'features': spec} if single else dict(spec)
-    if not all(isinstance(s, tf.TensorSpec) for s in specs.values()):
+    if not all(isinstance(s, tf.TensorSpec) and s.shape.rank for s in specs.values()):
       raise base_runner.UserError('export_saved_model needs features that are one tensor or a '
-                                  f'flat dict of tensors; got {spec}.')
+                                  f'flat dict of tensors with a batch dimension; got {spec}.')
+    specs = {k: tf.TensorSpec([None] + s.shape[1:], s.dtype, k) for k, s in specs.items()}
 
     def Serve(**features):
       return self._Predictions(features['features'] if single else py_utils.NestedMap(features))

@@ -24,6 +24,7 @@ from lingvo_gpipe import checkpoint_files
 from lingvo_gpipe import decoder
 from lingvo_gpipe import jobs
 from lingvo_gpipe import tasks as tasks_lib
+from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core import py_utils
 
 # Decodes shown in TensorBoard's text tab per checkpoint (all are in decodes-<step>.txt).
@@ -45,12 +46,13 @@ class EvalSettings:
   job: str
   model: str
   once: bool = False
-  timeout_secs: float = None
-  batches: int = None
+  timeout_secs: float | None = None
+  batches: int | None = None
   max_steps_given: bool = False
 
 
-def Run(model_params, logdir, dataset_name, settings, on_cluster=False, decode=False):
+def Run(model_params: hyperparams.Params, logdir: str, dataset_name: str,
+        settings: EvalSettings, on_cluster: bool = False, decode: bool = False) -> None:
   """Evaluates checkpoints of <logdir>/train, summaries in <logdir>/eval_<dataset>; with
   `decode`, decodes them (lingvo_gpipe.decoder), in <logdir>/decoder_<dataset> with the
   decodes of each checkpoint in decodes-<step>.txt.
@@ -137,7 +139,7 @@ def _Evaluation(task, on_cluster, batches):
   return Measure
 
 
-def CheckDecodes(task, flag, model):
+def CheckDecodes(task: tf.Module, flag: str, model: str) -> None:
   """A UserError unless `task` decodes (--flag asks it to)."""
   if not isinstance(task, tasks_lib.DECODING_TASKS):
     raise base_runner.UserError(
@@ -177,7 +179,7 @@ def _Decoding(task, decode_dir, on_cluster, settings):
   return Measure
 
 
-def WithTrainersSettings(logdir, model, override, dataset_name):
+def WithTrainersSettings(logdir: str, model: str, override: str, dataset_name: str) -> str:
   """`override` after the settings the trainer of logdir ran with (its params.txt) that
   the evaluated data shares (base_runner.TrainersSettings): an evaler evaluates the model the
   trainer trained, on the data source it trained on, unless its own override says otherwise."""
@@ -195,7 +197,7 @@ def WithTrainersSettings(logdir, model, override, dataset_name):
   return '\n'.join(taken + [override])
 
 
-def _TrainersMaxSteps(train_dir, own, own_given):
+def _TrainersMaxSteps(train_dir: str, own: int, own_given: bool) -> int:
   """The step an evaler evaluates up to: `own` if given (own_given: by --max_steps), else
   `own` or less if the trainer of train_dir runs to less (its params.txt, e.g. from the
   trainer's own --max_steps), since no checkpoint beyond that will come. An evaler started
@@ -231,7 +233,8 @@ def _NewCheckpoints(checkpointer, timeout_secs, poll_secs=1.0):
     time.sleep(poll_secs)
 
 
-def ExportDecoder(model_params, logdir, export_dir, model):
+def ExportDecoder(model_params: hyperparams.Params, logdir: str, export_dir: str | None,
+                  model: str) -> None:
   """--mode=export_decoder: the latest checkpoint's decoder as a SavedModel in export_dir
   (None: <logdir>/export/decoder-<step>); model: the registry key, for messages."""
   train_dir = os.path.join(logdir, 'train')

@@ -12,9 +12,10 @@ from lingvo_gpipe import cluster as cluster_lib
 from lingvo_gpipe import learner as learner_lib
 from lingvo_gpipe.core import cell_functions
 from lingvo_gpipe.core import gpipe
+from lingvo_gpipe.core import hyperparams
 
 
-def MakeWritableDir(path):
+def MakeWritableDir(path: str) -> None:
   """Creates `path` if needed and checks that files can be written there (a page of them:
   a full disk fails here, not in the lock file)."""
   probe = os.path.join(path, '.write_probe')
@@ -28,7 +29,8 @@ def MakeWritableDir(path):
       tf.io.gfile.remove(probe)
 
 
-def Instantiate(model_params, train_dir, with_learner=False, max_to_keep=5):
+def Instantiate(model_params: hyperparams.Params, train_dir: str, with_learner: bool = False,
+                max_to_keep: int = 5) -> tuple:
   """(task, global step, Learner or None, Checkpointer of train_dir keeping max_to_keep)."""
   try:
     task = model_params.Instantiate().task
@@ -45,11 +47,11 @@ def Instantiate(model_params, train_dir, with_learner=False, max_to_keep=5):
   return task, global_step, learner, checkpointer
 
 
-def StepPlacement(on_cluster):
+def StepPlacement(on_cluster: bool) -> contextlib.AbstractContextManager:
   """Where the ops a model leaves unplaced go: on a cluster with their inputs, not the client."""
   return cluster_lib.ColocatedWithInputs() if on_cluster else contextlib.nullcontext()
 
 
-def Pipelines(task):
+def Pipelines(task: tf.Module) -> list:
   """The task's PipeliningLayers."""
   return [m for m in task.submodules if isinstance(m, gpipe.PipeliningLayer)]

@@ -25,7 +25,7 @@ from lingvo_gpipe.core import py_utils
 MODES = ('auto', 'dynamic', 'none')
 
 
-def Params():
+def Params() -> hyperparams.InstantiableParams:
   """How a task's loss is scaled (TrainParams.loss_scale)."""
   p = hyperparams.InstantiableParams(DynamicLossScale)
   p.Define('mode', 'auto',
@@ -41,7 +41,7 @@ def Params():
   return p
 
 
-def CheckParams(where, p):
+def CheckParams(where: str, p: hyperparams.Params) -> None:
   """Raises a ValueError naming a loss-scale value no run can use."""
   if p.mode not in MODES:
     raise ValueError(f'{where}.mode={p.mode!r}: expected one of {", ".join(MODES)}.')
@@ -55,14 +55,14 @@ def CheckParams(where, p):
     raise ValueError(f'{where}.growth_interval={interval!r}: expected an integer >= 1.')
 
 
-def ComputesInFloat16(layer):
+def ComputesInFloat16(layer: tf.Module) -> bool:
   """Whether `layer` or any layer below it computes in float16 (its fprop_dtype)."""
   layers = [layer] + list(layer.submodules)
   return any(tf.as_dtype(getattr(l, 'fprop_dtype', None) or tf.float32) == tf.float16
              for l in layers if hasattr(l, 'fprop_dtype'))
 
 
-def Resolved(p, layer):
+def Resolved(p: hyperparams.Params, layer: tf.Module) -> hyperparams.Params:
   """Loss-scale params `p` with mode 'auto' decided for task `layer`."""
   if p.mode != 'auto':
     return p
@@ -72,7 +72,7 @@ def Resolved(p, layer):
 class DynamicLossScale(tf.Module):
   """The scale and its counters: tf.Variables, saved in checkpoints with the optimizer."""
 
-  def __init__(self, params):
+  def __init__(self, params: hyperparams.Params):
     super().__init__(name='loss_scale')
     CheckParams('loss_scale', params)
     self.params = params.Copy().Freeze()
@@ -81,7 +81,7 @@ class DynamicLossScale(tf.Module):
     self.good_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name='good_steps')
     self.skipped_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name='skipped_steps')
 
-  def Update(self, grads_finite):
+  def Update(self, grads_finite: tf.Tensor) -> tf.Tensor:
     """Adjusts the scale after a step whose loss was finite; returns whether the step is a
     skip (its gradients overflowed, and the scale was above min_scale)."""
     p = self.params

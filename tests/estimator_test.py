@@ -89,14 +89,15 @@ def testRegistryModelTrainEvaluatePredictExportAndResume(tmp_path):
   assert results['loss'] == pytest.approx(np.mean((predicted - targets)**2), rel=1e-5)
 
   # The SavedModel serves the same predictions in a process without lingvo_gpipe.
-  # Its signature takes the features of the serving input: x, without the targets.
+  # Its signature takes the features of the serving input: x, without the targets, and
+  # batches of any size: 13 rows here (the predict batch is 8, and 13 is no multiple of M).
   serving_input = lambda params: dev_input(params).map(lambda b: py_utils.NestedMap(x=b.x))
   export_dir = est.export_saved_model(str(tmp_path / 'export'), serving_input)
-  np.savez(tmp_path / 'x.npz', x=dev_batches[0].x.numpy())
+  np.savez(tmp_path / 'x.npz', x=np.concatenate([b.x.numpy() for b in dev_batches])[:13])
   subprocess.run([sys.executable, '-c', _SERVE, export_dir, str(tmp_path / 'x.npz'),
                   str(tmp_path / 'y.npy')], check=True, timeout=120,
                  env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'))
-  np.testing.assert_allclose(np.load(tmp_path / 'y.npy'), predicted[:8], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.load(tmp_path / 'y.npy'), predicted[:13], rtol=1e-5, atol=1e-6)
 
 
 def _TaskParams():

@@ -8,14 +8,14 @@ import textwrap
 _SCRIPT = textwrap.dedent('''
     import sys
     import tensorflow as tf
-    from lingvo_gpipe.core import metrics
+    from lingvo_gpipe.core import loss_probe
 
     def Loss(logits, labels):
       print('the loss runs', file=sys.stderr)  # Written during the probe: kept.
       return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
 
     logits, labels = tf.random.normal([4, 3]), tf.constant([0, 2, 1, 1])
-    value, weight = metrics.MicroBatchLoss(Loss, 4, 16, 0, '1f1b')(logits, labels)
+    value, weight = loss_probe.MicroBatchLoss(Loss, 4, 16, 0, '1f1b')(logits, labels)
     print('probed', float(weight), file=sys.stderr)
     try:  # The same failure outside the probe is logged.
       Loss(logits, labels - 7)

@@ -1,5 +1,5 @@
 """Drops the lines TensorFlow's C++ runtime logs for an eager op that failed, in a block
-that expects such failures: the loss probe (metrics.MicroBatchLoss) tries labels that a
+that expects such failures: the loss probe (loss_probe.MicroBatchLoss) tries labels that a
 loss may reject (-1, 255), takes the failure as an exception, and goes on; the lines
 (`OP_REQUIRES failed ... label value of -1`) would tell the user their labels were bad.
 

@@ -37,6 +37,7 @@ from lingvo_gpipe.core import devices as devices_lib
 from lingvo_gpipe.core import executor
 from lingvo_gpipe.core import hyperparams
 from lingvo_gpipe.core import layers
+from lingvo_gpipe.core import loss_probe
 from lingvo_gpipe.core import metrics as metrics_lib
 from lingvo_gpipe.core import microbatch
 from lingvo_gpipe.core import partition
@@ -189,7 +190,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     self._cell_functions = [[cell_functions.CellFunctions(self, c, device, r) for c, device in
                              enumerate(self.ReplicaDevices(r))] for r in range(p.num_replicas)]
     self._clocks = step_timing.DeviceClocks(self._devices[:self.num_stages], self.path)
-    self._loss_verdicts = metrics_lib.LossVerdicts()  # A loss is probed once per signature.
+    self._loss_verdicts = loss_probe.LossVerdicts()  # A loss is probed once per signature.
 
   @property
   def devices(self):
@@ -392,7 +393,7 @@ class PipeliningLayer(base_layer.BaseLayer):
         sum(value * weight) / sum(weight); a bare scalar must be the sum or the
         mean of its micro-batch values (weighted by their rows when M does not
         divide the batch), which a probe on random outputs tells, else it is
-        refused (metrics.MicroBatchLoss, also for losses reading step tensors).
+        refused (loss_probe.MicroBatchLoss, also for losses reading step tensors).
       labels: None, or tensors batched like the inputs (a structure, e.g. targets
         and example weights) that loss_fn takes as its last argument: a
         micro-batch's loss gets the rows of its own outputs, split as the inputs are.
@@ -414,7 +415,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                             need_input_grads=before_tape is not None,
                             keep_outputs=with_outputs or sched.whole_batch_loss)
     loss_scale = py_utils.CurrentContext().loss_scale
-    micro_loss_fn = None if sched.whole_batch_loss else metrics_lib.MicroBatchLoss(
+    micro_loss_fn = None if sched.whole_batch_loss else loss_probe.MicroBatchLoss(
         loss_fn, num * self.num_replicas, rows, self.params.batch_dim,
         schedule_lib.Name(self.params.schedule), self._loss_verdicts)
 
@@ -530,7 +531,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       weighted = loss * tf.stop_gradient(weight)
       if loss_scale is not None:
         weighted *= tf.cast(loss_scale, weighted.dtype)
-    metrics_lib.RefuseWeightsRead(self, tape.watched_variables())
+    loss_probe.RefuseWeightsRead(self, tape.watched_variables())
     grads = tape.gradient(weighted, floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     weighs = tf.not_equal(weight, 0)
     grads = iter(tf.where(weighs, g, tf.zeros_like(g)) for g in map(tf.convert_to_tensor, grads))
