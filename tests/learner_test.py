@@ -12,6 +12,7 @@ from lingvo_gpipe import optimizer
 from lingvo_gpipe.core import gpipe
 from lingvo_gpipe.core import layers
 from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.core import steady_state
 
 def testGradientsAndVariablesSumsTiedWeightsAndSkipsFrozen():
   shared = tf.Variable([1.0, 2.0], name='shared')
@@ -205,14 +206,14 @@ def testTheLoopRunsTheBackwardUnderTheScale():
 _DIM, _BATCH = 8, 16
 
 
-def _Stack(sched, fprop_dtype=tf.float32):
+def _Stack(sched, fprop_dtype=tf.float32, **kwargs):
   cells = [layers.SequentialLayer.Params().Set(name=f'c{i}', sub=[
       layers.ProjectionLayer.Params().Set(name=f'p{i}{j}', input_dim=_DIM, output_dim=_DIM,
                                           activation='RELU') for j in range(2)])
            for i in range(2)]
   return gpipe.PipeliningLayer.Params().Set(
-      name='pipe', cell_tpl=cells, num_micro_batches=4, schedule=sched,
-      fprop_dtype=fprop_dtype).Instantiate()
+      name='pipe', cell_tpl=cells, schedule=sched, fprop_dtype=fprop_dtype,
+      **dict(dict(num_micro_batches=4), **kwargs)).Instantiate()
 
 
 def _Input():
@@ -223,15 +224,18 @@ def _MeanLoss(y, factor=1.0):
   return factor * tf.reduce_mean(tf.square(tf.cast(y, tf.float32) - 0.5))
 
 
-@pytest.mark.parametrize('sched', ['gpipe', '1f1b', 'zb_h1'])
-def testAScaledFloat32BackwardGivesTheSameGradientsBitwise(sched):
-  pipe = _Stack(sched)
+@pytest.mark.parametrize('sched, loop', [('gpipe', False), ('1f1b', False), ('zb_h1', False),
+                                         ('1f1b', True)])
+def testAScaledFloat32BackwardGivesTheSameGradientsBitwise(sched, loop):
+  pipe = _Stack(sched, num_micro_batches=8 if loop else 4, loop_steady_state=loop)
   x = _Input()
   step = tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, _MeanLoss))
   loss, grads = step()
   with py_utils.Context(loss_scale=tf.constant(2.0 ** 15)):
-    scaled_loss, scaled_grads = tf.function(
-        lambda: pipe.ForwardBackward(pipe.theta, x, _MeanLoss))()
+    scaled_step = tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, _MeanLoss))
+    scaled_loss, scaled_grads = scaled_step()
+    graph = scaled_step.get_concrete_function().graph
+  assert steady_state.LoopsIn(graph) == int(loop)
   assert float(scaled_loss) == float(loss)
   for g, s in zip(tf.nest.flatten(grads), tf.nest.flatten(scaled_grads)):
     np.testing.assert_array_equal(g.numpy(), s.numpy())
