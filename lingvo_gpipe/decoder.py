@@ -281,13 +281,21 @@ def _NGrams(tokens, n):
   return collections.Counter(tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1))
 
 
-def BleuStats(examples, eos_id):
-  """Sums of corpus BLEU over examples: NestedMap of (value, 1.0) pairs, so that
-  base_runner.Evaluate's mean over batches keeps their ratios (eos not counted)."""
+def _BleuUnits(p, tokens):
+  """What BLEU counts of a decode: the words of byte text (p.detokenize 'bytes': the decoded
+  text split at whitespace), else the ids; eos never."""
+  if p.detokenize == 'bytes':
+    return Text(p, tokens).split()
+  return [t for t in tokens if t != p.eos_id]
+
+
+def BleuStats(examples, p):
+  """Sums of corpus BLEU over examples (decoder params p say what is counted, _BleuUnits):
+  NestedMap of (value, 1.0) pairs, so that base_runner.Evaluate's mean over batches keeps
+  their ratios."""
   stats = collections.Counter()
   for _, hypothesis, reference in examples:
-    hyp = [t for t in hypothesis if t != eos_id]
-    ref = [t for t in reference if t != eos_id]
+    hyp, ref = _BleuUnits(p, hypothesis), _BleuUnits(p, reference)
     stats['hyp_len'] += len(hyp)
     stats['ref_len'] += len(ref)
     for n in range(1, BLEU_ORDER + 1):
@@ -313,10 +321,11 @@ def Bleu(stats):
   return 100.0 * brevity * math.exp(sum(math.log(x) for x in precisions) / BLEU_ORDER)
 
 
-def BatchMetrics(examples, eos_id):
-  """(value, weight) pairs of one batch's decodes: exact_match and the BLEU sums."""
+def BatchMetrics(examples, p):
+  """(value, weight) pairs of one batch's decodes (decoder params p): exact_match (of the ids)
+  and the BLEU sums."""
   matches = [hypothesis == reference for _, hypothesis, reference in examples]
-  metrics = BleuStats(examples, eos_id)
+  metrics = BleuStats(examples, p)
   metrics.exact_match = (sum(matches) / max(len(matches), 1), float(len(matches)))
   return metrics
 

@@ -165,7 +165,7 @@ def _Decoding(task, decode_dir, on_cluster, settings):
     def DecodeBatch(batch):
       examples = decoder.Examples({k: v.numpy() for k, v in DecodeStep(batch).items()})
       lines.extend(decoder.Line(p, example) for example in examples)
-      return decoder.BatchMetrics(examples, p.eos_id)
+      return decoder.BatchMetrics(examples, p)
 
     means, num_batches = base_runner.Evaluate(DecodeBatch, dataset, settings.batches)
     path = os.path.join(decode_dir, f'decodes-{step}.txt')

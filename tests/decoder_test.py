@@ -230,18 +230,33 @@ def testSamplingDrawsFromTheTopKAndRepeatsPerSeed():
 
 def testExactMatchAndBleuByHand():
   eos = 2
+  p = decoder.DecoderParams().Set(eos_id=eos)
   examples = [([1], [5, 6, 7, 8, eos], [5, 6, 7, 8, 9, eos]),  # 4 of 5 ids, all n-grams right.
               ([1], [4, eos], [4, eos])]
-  means = {k: v[0] / 1.0 for k, v in decoder.BatchMetrics(examples, eos).items()}
+  means = {k: v[0] / 1.0 for k, v in decoder.BatchMetrics(examples, p).items()}
   final = decoder.FinalMetrics(means)
   assert final['exact_match'] == 0.5
   # Precisions 5/5, 3/3, 2/2, 1/1 (hypotheses of 4 and 1 ids); brevity exp(1 - 6/5).
   np.testing.assert_allclose(final['bleu'], 100 * math.exp(1 - 6 / 5))
   perfect = [([1], [4, 5, 6, 7, eos], [4, 5, 6, 7, eos])]
   assert decoder.FinalMetrics({k: v[0] for k, v in decoder.BatchMetrics(
-      perfect, eos).items()})['bleu'] == pytest.approx(100.0)
+      perfect, p).items()})['bleu'] == pytest.approx(100.0)
   assert decoder.Bleu({k: v[0] for k, v in decoder.BleuStats(
-      [([1], [9, 9], [4, 5])], eos).items()}) == 0.0
+      [([1], [9, 9], [4, 5])], p).items()}) == 0.0
+
+
+def testBleuOfByteTextCountsWords():
+  """Byte text is scored on its words: 'the cat sat on' against 'the cat sat on the mat' has
+  every n-gram right (4, 3, 2, 1 of them) and a brevity penalty of exp(1 - 6/4); on bytes the
+  same decode would score otherwise."""
+  p = decoder.DecoderParams().Set(eos_id=None, detokenize='bytes')
+  hyp, ref = list(b'the cat  sat\non'), list(b'the cat sat on the mat')
+  stats = {k: v[0] for k, v in decoder.BleuStats([([1], hyp, ref)], p).items()}
+  assert stats['bleu_hyp_len'] == 4 and stats['bleu_ref_len'] == 6
+  np.testing.assert_allclose(decoder.Bleu(stats), 100 * math.exp(1 - 6 / 4))
+  ids = decoder.DecoderParams().Set(eos_id=None)
+  on_ids = {k: v[0] for k, v in decoder.BleuStats([([1], hyp, ref)], ids).items()}
+  assert on_ids['bleu_hyp_len'] == len(hyp) and decoder.Bleu(on_ids) != decoder.Bleu(stats)
 
 
 def testExportServesAnyBatchAndLength(tmp_path):
