@@ -17,7 +17,7 @@ def _Tensors(structure):
   return [x for x in tf.nest.flatten(structure) if isinstance(x, (tf.Tensor, tf.Variable))]
 
 
-def StaticBatchSize(structure, batch_dim):
+def StaticBatchSize(structure, batch_dim: int) -> int | None:
   """The common batch size of all tensors in `structure`, or None if unknown at trace time."""
   sizes = set()
   for x in _Tensors(structure):
@@ -33,7 +33,7 @@ def StaticBatchSize(structure, batch_dim):
   return known[0] if known else None
 
 
-def CheckLabels(labels, rows, batch_dim):
+def CheckLabels(labels, rows, batch_dim: int) -> None:
   """A ValueError unless every tensor of `labels` (None, or a structure) has the batch's
   `rows` (an int; a tensor, unknown at trace time, is not checked): labels are split into
   micro-batches as the inputs are, so a loss must not depend on the split by broadcasting."""
@@ -50,7 +50,7 @@ def CheckLabels(labels, rows, batch_dim):
                      'its rows): one row per example.')
 
 
-def BatchSize(structure, batch_dim):
+def BatchSize(structure, batch_dim: int) -> int | tf.Tensor:
   """The batch size of `structure`: an int if known at trace time, else a scalar int32 tensor."""
   static = StaticBatchSize(structure, batch_dim)
   if static is not None:
@@ -58,7 +58,7 @@ def BatchSize(structure, batch_dim):
   return tf.shape(_Tensors(structure)[0])[batch_dim]
 
 
-def Sizes(batch_size, num_parts):
+def Sizes(batch_size: int | tf.Tensor, num_parts: int) -> list:
   """The rows of each of num_parts parts of a batch: ints, or tensors for a tensor batch size."""
   if isinstance(batch_size, int):
     base, rest = divmod(batch_size, num_parts)
@@ -67,7 +67,7 @@ def Sizes(batch_size, num_parts):
   return [base + tf.cast(m < rest, batch_size.dtype) for m in range(num_parts)]
 
 
-def Offsets(sizes):
+def Offsets(sizes: list) -> list:
   """Where each part of `sizes` starts in the batch."""
   offsets = [0]
   for size in sizes[:-1]:
@@ -75,8 +75,9 @@ def Offsets(sizes):
   return offsets
 
 
-def NumMicroBatches(batch_size, num_micro_batches=1, micro_batch_size=None, num_replicas=1,
-                    allow_empty=False):
+def NumMicroBatches(batch_size: int | None, num_micro_batches: int = 1,
+                    micro_batch_size: int | None = None, num_replicas: int = 1,
+                    allow_empty: bool = False) -> int:
   """M per replica, from either M or the micro-batch size.
 
   batch_size: the whole batch's rows, or None if unknown at trace time (then
@@ -106,7 +107,7 @@ def NumMicroBatches(batch_size, num_micro_batches=1, micro_batch_size=None, num_
   return num
 
 
-def Split(structure, num_parts, batch_dim=0):
+def Split(structure, num_parts: int, batch_dim: int = 0) -> list:
   """A list of num_parts structures, part m holding its Sizes() rows, in order."""
   sizes = Sizes(BatchSize(structure, batch_dim), num_parts)
   if not isinstance(sizes[0], int):
@@ -122,7 +123,7 @@ def Split(structure, num_parts, batch_dim=0):
           for m in range(num_parts)]
 
 
-def Part(structure, index, size, batch_dim=0):
+def Part(structure, index: int | tf.Tensor, size: int | tf.Tensor, batch_dim: int = 0):
   """Micro-batch `index` (an int or a tensor) of parts of `size` rows: as Split's part when
   they are of one size. Made where each tensor is."""
   def Leaf(x):
@@ -137,7 +138,7 @@ def Part(structure, index, size, batch_dim=0):
   return tf.nest.map_structure(Leaf, structure)
 
 
-def Merge(micro_batches, batch_dim=0):
+def Merge(micro_batches: list, batch_dim: int = 0):
   """Concatenates M structures back into one batch (inverse of Split)."""
   flats = [tf.nest.flatten(mb) for mb in micro_batches]
 

@@ -9,6 +9,8 @@ No TensorFlow here: costs come from the caller (FLOPs, parameters or measured
 time; see gpipe.PartitionSequentialLayers).
 """
 
+from typing import Sequence
+
 import numpy as np
 
 
@@ -48,7 +50,7 @@ def _SplitDP(prefix, num_stages, stage_value, combine):
   return ends[::-1]
 
 
-def Balance(costs, num_stages):
+def Balance(costs: Sequence[float], num_stages: int) -> list[int]:
   """Stage end indices (exclusive, ascending) of the best contiguous split.
 
   Args:
@@ -76,7 +78,7 @@ def Balance(costs, num_stages):
   return _SplitDP(prefix, num_stages, Square, np.add)
 
 
-def CheckEnds(ends, num_layers, where):
+def CheckEnds(ends: Sequence[int], num_layers: int, where: str) -> None:
   """Raises a ValueError unless `ends` are ascending stage ends of num_layers layers."""
   ends = list(ends) if isinstance(ends, (list, tuple)) else None
   if (not ends or any(not isinstance(e, int) or isinstance(e, bool) for e in ends) or
@@ -86,11 +88,11 @@ def CheckEnds(ends, num_layers, where):
     raise ValueError(f'{where}: stage ends {ends} must end at the layer count {num_layers}.')
 
 
-def StageSizes(ends):
+def StageSizes(ends: Sequence[int]) -> list[int]:
   """[3, 7, 10] -> [3, 4, 3]."""
   return [b - a for a, b in zip([0] + list(ends[:-1]), ends)]
 
 
-def StageCosts(costs, ends):
+def StageCosts(costs: Sequence[float], ends: Sequence[int]) -> list[float]:
   """Total cost of every stage of a split."""
   return [float(sum(costs[a:b])) for a, b in zip([0] + list(ends[:-1]), ends)]

@@ -33,17 +33,27 @@ runtime, the simulator and the planner.
 
 import collections
 import re
+from typing import Callable, NamedTuple
 
 FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD, LOSS = 'F', 'B', 'W', 'BW', 'L'
 KINDS = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD, LOSS)
 ALL = -1  # The micro_batch of a whole-batch loss L(*).
 UNIT_COSTS = {FORWARD: 1, INPUT_GRAD: 1, WEIGHT_GRAD: 1, BACKWARD: 2, LOSS: 0}
 
-Action = collections.namedtuple('Action', ['kind', 'micro_batch', 'chunk'])
-Action.__doc__ = 'One step (a KINDS letter) of a micro-batch (or ALL) on a chunk.'
 
-Step = collections.namedtuple('Step', ['clock', 'stage', 'action'])
-Step.__doc__ = 'An action on device `stage`, starting at `clock` of the unit-cost run.'
+
+class Action(NamedTuple):
+  """One step (a KINDS letter) of a micro-batch (or ALL) on a chunk."""
+  kind: str
+  micro_batch: int
+  chunk: int
+
+
+class Step(NamedTuple):
+  """An action on device `stage`, starting at `clock` of the unit-cost run."""
+  clock: int
+  stage: int
+  action: Action
 
 
 def _ActionText(a):
@@ -344,7 +354,8 @@ def _Keys(action):
   return [(kind, m, c)]
 
 
-def CheckOrders(orders, placement, num_micro_batches):
+def CheckOrders(orders: list[list[Action]], placement: list[int],
+                num_micro_batches: int) -> None:
   """Raises ValueError unless the orders run every micro-batch's actions once, each on its
   chunk's device, F before B before W, with the loss on the last chunk's device."""
   num_chunks = len(placement)
@@ -385,7 +396,8 @@ def CheckOrders(orders, placement, num_micro_batches):
                      f'has either the one or a loss per micro-batch.')
 
 
-def Simulate(orders, placement, num_micro_batches, cost=None):
+def Simulate(orders: list[list[Action]], placement: list[int], num_micro_batches: int,
+             cost: Callable[[Action], float] | None = None) -> dict:
   """Start and end of every action when each device runs its order.
 
   Args:
@@ -461,7 +473,8 @@ def _CheckPlacement(placement, num_stages, virtual_stages):
                        f'gives each of the K={num_stages} devices {virtual_stages}.')
 
 
-def Orders(name, num_stages, num_micro_batches, virtual_stages=1):
+def Orders(name: str, num_stages: int, num_micro_batches: int,
+           virtual_stages: int = 1) -> tuple[list[list[Action]], list[int]]:
   """(per-device action orders, device of each chunk) of schedule `name`, unchecked: what
   Schedule checks and runs, and what the simulator takes for sizes Python cannot time."""
   _CheckSizes(num_stages, num_micro_batches, virtual_stages)
@@ -482,19 +495,20 @@ def Orders(name, num_stages, num_micro_batches, virtual_stages=1):
   return _Orders(name, num_stages, num_micro_batches, virtual_stages, placement), placement
 
 
-def IsText(schedule):
+def IsText(schedule: str) -> bool:
   """Whether a pipeline's `schedule` is meant as a schedule's text (Schedule.ToText), not a
   name: it has several lines or starts with 'schedule ' (FromText then says what is wrong)."""
   return isinstance(schedule, str) and (len(schedule.strip().splitlines()) > 1 or
                                         schedule.lstrip().startswith('schedule '))
 
 
-def Name(schedule):
+def Name(schedule: str) -> str:
   """A pipeline's `schedule` for messages: the name, or the name a text's first line gives."""
   return f'{schedule.split()[1]} (text)' if IsText(schedule) else schedule
 
 
-def ForPipeline(schedule, num_stages, num_micro_batches, virtual_stages):
+def ForPipeline(schedule: str, num_stages: int, num_micro_batches: int,
+                virtual_stages: int) -> 'Schedule':
   """The Schedule a pipeline of K devices with v chunks each runs on M micro-batches.
 
   `schedule` is a name (SCHEDULE_NAMES) or a user's own orders in ToText's format,
@@ -530,8 +544,8 @@ class Schedule:
       devices, instead of a named schedule's.
   """
 
-  def __init__(self, name, num_stages, num_micro_batches, virtual_stages=1, orders=None,
-               placement=None):
+  def __init__(self, name: str, num_stages: int, num_micro_batches: int, virtual_stages: int = 1,
+               orders: list[list[Action]] | None = None, placement: list[int] | None = None):
     if not isinstance(name, str) or not re.fullmatch(r'\S+', name):
       raise ValueError(f'A schedule name is one word (it heads the schedule text), got {name!r}.')
     if (orders is None) != (placement is None):
@@ -556,33 +570,33 @@ class Schedule:
     self.num_clocks = max(int(end) for _, end in times.values())
 
   @property
-  def num_chunks(self):
+  def num_chunks(self) -> int:
     return len(self.placement)
 
   @property
-  def whole_batch_loss(self):
+  def whole_batch_loss(self) -> bool:
     """Whether the loss is computed once on the whole batch (after every forward)."""
     return any(a.kind == LOSS and a.micro_batch == ALL for order in self.orders for a in order)
 
-  def StageSteps(self, stage):
+  def StageSteps(self, stage: int) -> list[Step]:
     """The steps of one device in the order it runs them."""
     return [s for s in self.steps if s.stage == stage]
 
-  def BubbleFraction(self):
+  def BubbleFraction(self) -> float:
     """Idle share of K devices x makespan, with F, B and W of one unit each (BW two)."""
     busy = sum(UNIT_COSTS[a.kind] for order in self.orders for a in order)
     return 1.0 - busy / (self.num_stages * self.num_clocks)
 
-  def MaxInFlight(self, stage):
+  def MaxInFlight(self, stage: int) -> int:
     """Most micro-batch chunks whose activations device `stage` holds: forwarded, input
     gradient not yet taken (a pending W holds less: MaxPendingWeightGrads)."""
     return _Peak(self.orders[stage], {FORWARD: 1, INPUT_GRAD: -1, BACKWARD: -1})
 
-  def MaxPendingWeightGrads(self, stage):
+  def MaxPendingWeightGrads(self, stage: int) -> int:
     """Most micro-batch chunks whose B ran and W did not: each holds what its W needs."""
     return _Peak(self.orders[stage], {INPUT_GRAD: 1, WEIGHT_GRAD: -1})
 
-  def ToText(self):
+  def ToText(self) -> str:
     """One line per device; FromText reads it back."""
     head = (f'schedule {self.name} K={self.num_stages} M={self.num_micro_batches} '
             f'v={self.virtual_stages}')
@@ -590,7 +604,7 @@ class Schedule:
                                for k, order in enumerate(self.orders)]) + '\n'
 
   @classmethod
-  def FromText(cls, text):
+  def FromText(cls, text: str) -> 'Schedule':
     """The Schedule of ToText's format (a user may write their own orders in it)."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     head = re.fullmatch(r'schedule (\S+) K=(\d+) M=(\d+) v=(\d+)', lines[0]) if lines else None
@@ -666,6 +680,6 @@ def _ParseAction(token):
   return Action(kind, ALL if m == '*' else int(m), int(c))
 
 
-def TheoreticalBubble(num_stages, num_micro_batches):
+def TheoreticalBubble(num_stages: int, num_micro_batches: int) -> float:
   """GPipe's (K-1)/(M+K-1) idle fraction of fill-drain."""
   return (num_stages - 1) / (num_micro_batches + num_stages - 1)
