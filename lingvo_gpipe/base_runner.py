@@ -300,8 +300,9 @@ def _NonFinite(out):
   loss, grad_norm = float(out.loss), float(out.grad_norm)
   learning_rate = float(out.learning_rate)
   if not (np.isfinite(loss) and np.isfinite(grad_norm)):
-    at_scale = (f' at the minimum loss scale {float(out.loss_scale):g}, so not a float16 '
-                'overflow' if 'loss_scale' in out and np.isfinite(loss) else '')
+    at_scale = (f' at the minimum loss scale {float(out.loss_scale):g} (loss_scale.min_scale), '
+                'so it is not skipped as a float16 overflow'
+                if 'loss_scale' in out and np.isfinite(loss) else '')
     return f'loss {loss:g}, gradient norm {grad_norm:g} is not finite{at_scale}', False
   if not np.isfinite(learning_rate):
     return f'learning rate {learning_rate:g} is not finite', False
@@ -365,6 +366,7 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
       break
     seconds = time.time() - start
     new_step = int(global_step.numpy())
+    _LogSkips(out, step, new_step)
     if not bool(out.finite):
       what, applied = _NonFinite(out)
       kept = ('training stopped; those weights are not saved' if applied else
@@ -372,7 +374,6 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
       raise NonFiniteError(f'The step from global step {new_step} to {new_step + 1}: '
                            f'{what}; {kept} (global step {new_step}). Last good checkpoint: '
                            f'{checkpointer.latest or "none"}.')
-    _LogSkips(out, step, new_step)
     if not measure:  # A measured step's time includes tracing it and the timing ops.
       progress.Record(new_step - step, seconds)
     speed = progress.Speed(None if measure else new_step - step, seconds)

@@ -108,7 +108,8 @@ def _Search(task, theta, problem):
   p = task.params.decoder
 
   def LogProbs(context, ids, positions):
-    return task.DecodeLogProbs(theta, context, ids, positions)
+    # Scores add up in float32, whatever the model computes in (float16, bfloat16).
+    return tf.cast(task.DecodeLogProbs(theta, context, ids, positions), tf.float32)
 
   with py_utils.EvalMode():
     if p.algorithm == 'beam':

@@ -179,7 +179,8 @@ def _Decoding(task, decode_dir, on_cluster, settings):
   return Measure
 
 
-def WithTrainersSettings(logdir: str, model: str, override: str, dataset_name: str) -> str:
+def WithTrainersSettings(logdir: str, model: str, override: str, dataset_name: str,
+                         doing: str = 'Evaluating') -> str:
   """`override` after the settings the trainer of logdir ran with (its params.txt) that
   the evaluated data shares (base_runner.TrainersSettings): an evaler evaluates the model the
   trainer trained, on the data source it trained on, unless its own override says otherwise."""
@@ -193,7 +194,7 @@ def WithTrainersSettings(logdir: str, model: str, override: str, dataset_name: s
   taken = [line for line in base_runner.TrainersSettings(model, dataset_name, recorded)
            if line.split(' : ', 1)[0] not in own]
   if taken:
-    logging.info("Evaluating with the trainer's settings (%s): %s", path, '; '.join(taken))
+    logging.info("%s with the trainer's settings (%s): %s", doing, path, '; '.join(taken))
   return '\n'.join(taken + [override])
 
 

@@ -8,7 +8,9 @@ that is part of the model). Both start from the same weights (the checkpoint's,
 if given, restored by name into either layout; else the initial ones, which
 must already agree bitwise) and train a few steps on the same batches with plain
 SGD at the task's learning rate: an adaptive optimizer would blow rounding noise
-in gradients that are exactly 0 up to whole steps. Then the losses, the weights
+in gradients that are exactly 0 up to whole steps. A float16 model's backward runs
+unscaled here (no loss scale in the FProp context); that the pipeline's scaled backward
+equals its unscaled one is tested in tests/learner_test.py. Then the losses, the weights
 and the moving statistics are compared, each layer's variables on the scale of
 that layer's largest value.
 

@@ -524,6 +524,9 @@ def _Run():
   override = FLAGS.model_params_override
   if dataset_name != 'Train' and FLAGS.mode == 'sync' and FLAGS.logdir:
     override = evaler.WithTrainersSettings(FLAGS.logdir, FLAGS.model, override, dataset_name)
+  elif FLAGS.mode == 'export_decoder' and FLAGS.logdir:  # The model as it was trained.
+    override = evaler.WithTrainersSettings(FLAGS.logdir, FLAGS.model, override, 'Train',
+                                           doing='Exporting')
   model_params = base_runner.LoadModelParams(FLAGS.model, dataset_name, override,
                                              FLAGS.max_steps)
   if not model_registry.GetClass(FLAGS.model).Defines(dataset_name):

@@ -31,13 +31,15 @@ def _Data(cls):
                           seq_len=SEQ_LEN, batch_size=6, seed=1)
 
 
-def _Task(name, splits, micro_batches, schedule, decoding):
+def _Task(name, splits, micro_batches, schedule, decoding, fprop_dtype=None):
   """A small LM ('lm') or encoder-decoder ('mt') task on its synthetic reverse data."""
   task_cls, data_cls, encoder_layers = {
       'lm': (tasks.LanguageModelTask, input_generators.SyntheticLmInput, 0),
       'mt': (tasks.EncoderDecoderTask, input_generators.SyntheticSeq2SeqInput, 2)}[name]
   p = task_cls.Params().Set(name=name, input=_Data(data_cls))
   p.stack = _Stack(encoder_layers, splits, micro_batches, schedule)
+  if fprop_dtype is not None:
+    p.stack.fprop_dtype = fprop_dtype
   p.decoder.Set(**decoding)
   return p.Instantiate()
 
@@ -145,6 +147,25 @@ def testGreedyLmEqualsAReferenceLoop(schedule):
     assert start == np.argmax(weights > 0)
     np.testing.assert_array_equal(out['ids'][b, :start + 1], batch.ids.numpy()[b, :start + 1])
     assert not out['ids'][b, start + 1:].any()
+
+
+@pytest.mark.parametrize('dtype', [tf.float16, tf.bfloat16])
+@pytest.mark.parametrize('algorithm', ['greedy', 'beam'])
+def testAHalfPrecisionModelDecodesWithFloat32Scores(dtype, algorithm):
+  """Half-precision log-probs are summed in float32; greedy equals the same-dtype reference."""
+  def Make(**kwargs):
+    return _Task('lm', kwargs.pop('splits', 2), kwargs.pop('micro_batches', 2),
+                 kwargs.pop('schedule', '1f1b'), dict(algorithm=algorithm), fprop_dtype=dtype)
+
+  task = Make()
+  out = _Decode(task, _Batch(task))
+  assert out['scores'].dtype == np.float32 and np.all(np.isfinite(out['scores']))
+  assert np.all((out['tokens'] >= 0) & (out['tokens'] < VOCAB))
+  if algorithm == 'greedy':
+    batch = _Batch(task)
+    tokens, _, _ = _Reference(Make, batch).Greedy(out['ids'], out['start'],
+                                                  task.params.decoder.eos_id)
+    np.testing.assert_array_equal(out['tokens'], tokens)
 
 
 def testGreedyMtEqualsAReferenceLoop():

@@ -167,7 +167,8 @@ def testAnOverflowSkipsTheStepAndTheScaleAdapts():
   assert int(learner.global_step.numpy()) == 5 and var.numpy()[0] == 0.0
   what, applied = base_runner._NonFinite(out)  # pylint: disable=protected-access
   assert not applied and what == ('loss 1, gradient norm nan is not finite at the minimum loss '
-                                  'scale 1, so not a float16 overflow')
+                                  'scale 1 (loss_scale.min_scale), so it is not skipped as a '
+                                  'float16 overflow')
   out = Step(0.5, loss=float('nan'))  # A NaN loss is never an overflow.
   assert not bool(out.finite) and not bool(out.skipped) and float(out.loss_scale) == 1.0
   assert int(scale.skipped_steps.numpy()) == 3

@@ -226,6 +226,14 @@ def testFloat16TrainsUnderADynamicLossScaleThatResumes(tmp_path):
   assert sorted(scalars['loss_scale']) == sorted(scalars['loss']) and 12 in scalars['loss']
   assert all(np.isfinite(v) for v in scalars['loss'].values())
   assert scalars['loss'][12] < scalars['loss'][min(scalars['loss'])]
+  # Its decoder, exported as trained (float16, from params.txt), serves float32 scores.
+  export_dir = str(tmp_path / 'export')
+  err = _Ok(_Run(f'--logdir={straight}', '--mode=export_decoder', f'--export_dir={export_dir}',
+                 model=lm))
+  assert re.search(r"Exporting with the trainer's settings .*task\.stack\.fprop_dtype", err), err
+  serve = tf.saved_model.load(export_dir).signatures['serving_default']
+  out = serve(ids=tf.constant([[1, 5, 6]], tf.int32), lengths=tf.constant([3]))
+  assert out['scores'].dtype == tf.float32 and np.isfinite(out['scores'].numpy()).all()
 
 
 def testNanStopsTrainingAndKeepsTheLastGoodCheckpoint(tmp_path):

@@ -60,6 +60,7 @@ FLAGS = flags.FLAGS
 flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.
 
 _DECODER_LAYERS = 8  # Enough cells for K=4 with two chunks per device.
+_MAX_WARMUP_STEPS = 30  # Float16 steps a throughput row's loss scale may skip before timing.
 
 
 def _SetUp(config):
@@ -163,12 +164,18 @@ def _Bubble(tf, config):
 def _Throughput(tf, config):
   params = _Params(config, config['model'])
   run, _ = _Training(tf, params)
-  run(2)  # Trace and warm up.
+  _, warmup_skipped = run(2)  # Trace and warm up,
+  for _ in range(_MAX_WARMUP_STEPS):  # and in float16 past the steps the loss scale skips.
+    _, now = run(1)
+    if now == warmup_skipped:
+      break
+    warmup_skipped = now
   start = time.perf_counter()
   loss, skipped = run(config['steps'])
   seconds = time.perf_counter() - start
   return dict(examples_per_s=params.input.batch_size * config['steps'] / seconds,
-              step_s=seconds / config['steps'], loss=loss, skipped_steps=skipped)
+              step_s=seconds / config['steps'], loss=loss, warmup_skipped_steps=warmup_skipped,
+              skipped_steps=skipped - warmup_skipped)
 
 
 def _RunOne(config):
@@ -229,7 +236,8 @@ def _Tables(results):
           ('K', lambda r: r['stages']), ('dtype', lambda r: r['dtype']),
           ('examples/s', lambda r: f"{r['examples_per_s']:.1f}"),
           ('step s', lambda r: f"{r['step_s']:.3f}"), ('loss', lambda r: f"{r['loss']:.4f}"),
-          ('float16 steps skipped', lambda r: r['skipped_steps'])]),
+          ('float16 skips: warm-up / timed',
+           lambda r: f"{r['warmup_skipped_steps']} / {r['skipped_steps']}")]),
   ])
 
 
