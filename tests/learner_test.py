@@ -242,6 +242,21 @@ def testAScaledFloat32BackwardGivesTheSameGradientsBitwise(sched, loop):
     np.testing.assert_array_equal(g.numpy(), s.numpy())
 
 
+def testALossInFloat16IsScaledToo():
+  """A loss_fn that returns float16 (value and weight) under a float32 scale."""
+  pipe = _Stack('1f1b', fprop_dtype=tf.float16)
+  x = _Input()
+
+  def Loss(y):
+    return tf.reduce_mean(tf.square(y - 0.5)), tf.constant(1.0, tf.float16)
+
+  plain = tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, Loss))()
+  with py_utils.Context(loss_scale=tf.constant(16.0)):
+    scaled = tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, Loss))()
+  for g, s in zip(tf.nest.flatten(plain[1]), tf.nest.flatten(scaled[1])):
+    np.testing.assert_allclose(s.numpy(), g.numpy(), rtol=1e-2, atol=1e-3)
+
+
 def testScaledGradientsOfATapeAreUnscaled():
   w = tf.Variable([[0.5, -1.0]], name='w')
   for scale in (None, tf.constant(1024.0)):

@@ -443,7 +443,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     merged = metrics_lib.MergeMetrics([m for m, _ in metrics])
     # The backward differentiated value * weight (* loss_scale) of each call: divide by the
     # total weight (and the scale).
-    scale = 1.0 / (merged.loss[1] if loss_scale is None else merged.loss[1] * loss_scale)
+    weight = merged.loss[1]
+    scale = 1.0 / (weight if loss_scale is None else weight * tf.cast(loss_scale, weight.dtype))
     grads = py_utils.NestedMap(
         before=theta.before if before_tape is None else self._BeforeGradients(
             theta, before_tape, args, run.MergedInputGradients()),
