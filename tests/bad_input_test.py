@@ -31,8 +31,8 @@ def _Lm(override):
 _OVERRIDES = [
     # Values that would import or call code.
     'input.cls : os.system', 'input.cls : os.path.join', 'input.cls : collections.OrderedDict',
-    'task.cls : lingvo_gpipe.optimizer.Adam', 'task.train.optimizer.cls : os.system',
-    'task.train.optimizer.cls : lingvo_gpipe.core.layers.ProjectionLayer',
+    'task.cls : lingvo_gpipe.training.optimizer.Adam', 'task.train.optimizer.cls : os.system',
+    'task.train.optimizer.cls : lingvo_gpipe.layers.ProjectionLayer',
     'task.hidden_dim : stray_module.Thing', 'task.hidden_dim : __import__("os")',
     'task.hidden_dim : (lambda: 1)()', 'task.hidden_dim : os.sep',
     # Groups and types.

@@ -1,11 +1,11 @@
-"""Tests of lingvo_gpipe.core.base_layer."""
+"""Tests of lingvo_gpipe.foundation.base_layer."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.foundation import base_layer
+from lingvo_gpipe.foundation import py_utils
 
 
 class _Affine(base_layer.BaseLayer):

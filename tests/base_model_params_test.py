@@ -1,11 +1,11 @@
-"""Tests of lingvo_gpipe.base_model_params."""
+"""Tests of lingvo_gpipe.models.base_model_params."""
 
 import doctest
 
 import pytest
 
-from lingvo_gpipe import base_model_params
-from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.foundation import hyperparams
+from lingvo_gpipe.models import base_model_params
 
 
 def _Input(batch_size):

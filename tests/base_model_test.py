@@ -1,12 +1,12 @@
-"""Tests of lingvo_gpipe.base_model."""
+"""Tests of lingvo_gpipe.models.base_model."""
 
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe import base_model
-from lingvo_gpipe import learner
-from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.foundation import base_layer
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.models import base_model
+from lingvo_gpipe.training import learner
 
 
 class _Tied(base_layer.BaseLayer):

@@ -7,8 +7,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import layers
+from lingvo_gpipe import layers
+from lingvo_gpipe.pipeline import gpipe
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 'tools'))

@@ -1,9 +1,9 @@
-"""Tests of a chunk's traced functions' helpers (core/cell_functions.py)."""
+"""Tests of a chunk's traced functions' helpers (lingvo_gpipe/pipeline/cell_functions.py)."""
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import cell_functions
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.pipeline import cell_functions
 
 
 class _RecordingTape:

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import base_runner
-from lingvo_gpipe import checkpoint_files as files
-from lingvo_gpipe import checkpointer as checkpointer_lib
+from lingvo_gpipe.foundation import errors
+from lingvo_gpipe.training import checkpoint_files as files
+from lingvo_gpipe.training import checkpointer as checkpointer_lib
 
 
 class _Model(tf.Module):
@@ -126,7 +126,7 @@ def testASaveOfNonFiniteWeightsIsRefusedAndTheOlderKept(tmp_path):
   checkpointer.Recover()
   model.b.assign(tf.fill([8], np.nan))
   checkpointer._global_step.assign(3)  # pylint: disable=protected-access
-  with pytest.raises(base_runner.UserError, match='ckpt-3 does not read back after saving '
+  with pytest.raises(errors.UserError, match='ckpt-3 does not read back after saving '
                      r'\(model/b holds NaN or Inf\); the older checkpoints are kept'):
     checkpointer.Save()
   assert files.Steps(directory)[1:] == [2, 1] and checkpointer.latest.endswith('ckpt-2')
@@ -236,7 +236,7 @@ def testNothingIsRotatedAwayBeforeTheNewCheckpointReadsBack(tmp_path, monkeypatc
   real_problem = files.Problem
   monkeypatch.setattr(files, 'Problem',
                       lambda p: 'disk full' if p.endswith('ckpt-4') else real_problem(p))
-  with pytest.raises(base_runner.UserError, match='ckpt-4 does not read back.*disk full'):
+  with pytest.raises(errors.UserError, match='ckpt-4 does not read back.*disk full'):
     _TrainTo(checkpointer, model, [4])
   assert files.Steps(directory) == [4, 3, 2, 1]
   assert open(os.path.join(directory, files.STATE_FILE)).read() == state

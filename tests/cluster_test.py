@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import cluster as cluster_lib
-from lingvo_gpipe import trainer
-from lingvo_gpipe.core import devices as devices_lib
-from lingvo_gpipe.core import pipeline_params
+from lingvo_gpipe.distribution import cluster as cluster_lib
+from lingvo_gpipe.foundation import devices as devices_lib
+from lingvo_gpipe.foundation import errors
+from lingvo_gpipe.pipeline import pipeline_params
+from lingvo_gpipe.runners import trainer
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_TESTS)
@@ -49,7 +50,7 @@ def _Env():
 
 
 def _StartTrainer(*flags):
-  return subprocess.Popen([sys.executable, '-m', 'lingvo_gpipe.trainer'] + list(flags),
+  return subprocess.Popen([sys.executable, '-m', 'lingvo_gpipe.runners.trainer'] + list(flags),
                           env=_Env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -142,7 +143,7 @@ def testTfConfigGivesTheClusterAndTaskUnlessFlagsDo(monkeypatch):
   assert _ClusterConfig('--job=worker', '--task=0').task == 0
   assert _ClusterConfig('--job=worker', '--cluster_spec=worker=h:9').spec == {'worker': ['h:9']}
   assert _ClusterConfig('--job=controller,trainer').spec == {}  # Local training ignores it.
-  with pytest.raises(trainer.base_runner.UserError,
+  with pytest.raises(trainer.errors.UserError,
                      match=re.escape('--worker_replicas must be >= 1, got 0.')):
     _ClusterConfig('--job=trainer_client', '--worker_replicas=0')
 
@@ -288,7 +289,7 @@ def testLocalClusterToolPrintsTheSpecAndStopsItsWorkersOnSigterm(tmp_path):
 
 _PRIVATE_CLIENT = """
 import os, sys, time
-from lingvo_gpipe import cluster
+from lingvo_gpipe.distribution import cluster
 spec_text = sys.argv[-1].split('=', 1)[1]
 assert not cluster.UnansweredWorkers(cluster.ParseClusterSpec(spec_text)['worker'], 5.0)
 open(os.path.join(sys.argv[1], 'inside.partial'), 'w').write(spec_text)

@@ -17,7 +17,7 @@ _WORKER = 'PYTEST_XDIST_WORKER' in os.environ
 def _SetUpTensorFlow():
   os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.foundation import memory_stats  # pylint: disable=g-import-not-at-top
   memory_stats.EnableStats()
   cpus = tf.config.list_physical_devices('CPU')
   tf.config.set_logical_device_configuration(

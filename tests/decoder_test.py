@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import decoder
-from lingvo_gpipe import input_generators
-from lingvo_gpipe import tasks
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.inputs import input_generators
+from lingvo_gpipe.models import decoder
+from lingvo_gpipe.models import tasks
 from lingvo_gpipe.params.lm import synthetic
 
 NestedMap = py_utils.NestedMap

@@ -3,7 +3,7 @@
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import devices
+from lingvo_gpipe.foundation import devices
 
 
 def _Devices(*names):

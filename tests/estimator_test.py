@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.estimator on the tiny pipelined regression experiment."""
+"""Tests of lingvo_gpipe.runners.estimator on the tiny pipelined regression experiment."""
 
 import os
 import subprocess
@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import base_runner
-from lingvo_gpipe import estimator
-from lingvo_gpipe import model_registry
-from lingvo_gpipe import run_lock
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.foundation import errors
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.models import model_registry
+from lingvo_gpipe.runners import base_runner
+from lingvo_gpipe.runners import estimator
+from lingvo_gpipe.training import run_lock
 
 _PARAMS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'testdata', 'params')
 _MODEL = 'toy.regression.PipelinedRegression'
@@ -187,7 +188,7 @@ def testTrainingHoldsTheTrainersLock(tmp_path):
   """A trainer (or another Estimator) training into model_dir: refused, nothing written."""
   est = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path))
   with run_lock.RunLock(str(tmp_path)):
-    with pytest.raises(base_runner.UserError, match=f'{tmp_path} is in use by another trainer'):
+    with pytest.raises(errors.UserError, match=f'{tmp_path} is in use by another trainer'):
       est.train(estimator.RegistryInputFn(_MODEL, 'Train'), steps=1)
   assert not tf.train.latest_checkpoint(str(tmp_path))
   est.train(estimator.RegistryInputFn(_MODEL, 'Train'), steps=1)  # Released: it trains.
@@ -199,7 +200,7 @@ def testCheckpointOfAnotherModelIsRefused(tmp_path):
       estimator.RegistryInputFn(_MODEL, 'Train'), steps=1)
   other = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path),
                                             model_params_override='task.hidden_dim : 4')
-  with pytest.raises(base_runner.UserError, match='is from a different model: variable '
+  with pytest.raises(errors.UserError, match='is from a different model: variable '
                      r'regression/pipe/hidden/b is \[8\] float32 there, \[4\] float32 here'):
     other.evaluate(estimator.RegistryInputFn(_MODEL, 'Dev'))
 
@@ -210,14 +211,14 @@ def testModelFnMistakesAreClearErrors(tmp_path):
     return estimator.EstimatorSpec(mode)
 
   est = estimator.Estimator(NoLoss, _Config(tmp_path), train_batch_size=8)
-  with pytest.raises(base_runner.UserError, match="mode 'train' returned an EstimatorSpec "
+  with pytest.raises(errors.UserError, match="mode 'train' returned an EstimatorSpec "
                      'without loss'):
     est.train(_PairsInputFn, steps=1)
   est = estimator.Estimator(lambda *args: {'loss': 1.0}, _Config(tmp_path), train_batch_size=8)
-  with pytest.raises(base_runner.UserError, match='returned dict, not an EstimatorSpec'):
+  with pytest.raises(errors.UserError, match='returned dict, not an EstimatorSpec'):
     est.train(_PairsInputFn, steps=1)
   est = estimator.Estimator(_LossOnlyModelFn, _Config(tmp_path / 'fresh'), eval_batch_size=8)
-  with pytest.raises(base_runner.UserError, match='No checkpoint in .*fresh: train first'):
+  with pytest.raises(errors.UserError, match='No checkpoint in .*fresh: train first'):
     est.evaluate(_PairsInputFn, steps=1)
 
 
@@ -236,7 +237,7 @@ def testBadStepsAndAnEndlessEvaluationAreClearErrors(tmp_path):
   assert set(est.evaluate(train, steps=2)) > {'loss', 'global_step'}
   for name in ('iterations_per_loop', 'save_checkpoints_steps', 'keep_checkpoint_max',
                'log_step_count_steps'):  # Said when the Estimator is made.
-    with pytest.raises(base_runner.UserError, match=f'RunConfig.{name} must be >= 1, got 0'):
+    with pytest.raises(errors.UserError, match=f'RunConfig.{name} must be >= 1, got 0'):
       estimator.Estimator.from_registry(_MODEL, _Config(tmp_path, **{name: 0}))
 
 
@@ -299,6 +300,6 @@ def testFromRegistryTakesTheBatchSizesGiven(tmp_path):
   est.train(InputFn, steps=1)
   est.evaluate(InputFn, steps=1)
   assert seen == [4, 2]
-  with pytest.raises(base_runner.UserError, match='the Train batch size must be an int >= 1, '
+  with pytest.raises(errors.UserError, match='the Train batch size must be an int >= 1, '
                      'got 0'):
     estimator.Estimator.from_registry(_MODEL, _Config(tmp_path / 'n'), train_batch_size=0)

@@ -1,4 +1,4 @@
-"""Unit tests of lingvo_gpipe.evaler (its jobs end to end are in trainer_test.py)."""
+"""Unit tests of lingvo_gpipe.runners.evaler (its jobs end to end are in trainer_test.py)."""
 
 import os
 import time
@@ -6,9 +6,9 @@ import time
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import base_runner
-from lingvo_gpipe import checkpointer as checkpointer_lib
-from lingvo_gpipe import evaler
+from lingvo_gpipe.foundation import errors
+from lingvo_gpipe.runners import evaler
+from lingvo_gpipe.training import checkpointer as checkpointer_lib
 
 
 def _WriteParams(train_dir, text):
@@ -46,5 +46,5 @@ def testNewCheckpointsYieldsEachNewerOneAndEndsAfterTheTimeout(tmp_path):
 
 def testAnEvalTimeoutThatIsNotPositiveIsOneLine(tmp_path):
   settings = evaler.EvalSettings(job='evaler_dev', model='m', timeout_secs=0.0)
-  with pytest.raises(base_runner.UserError, match=r'^--eval_timeout_secs must be > 0, got 0\.$'):
+  with pytest.raises(errors.UserError, match=r'^--eval_timeout_secs must be > 0, got 0\.$'):
     evaler.Run(None, str(tmp_path), 'Dev', settings)

@@ -7,8 +7,8 @@ import tensorflow as tf
 def _TwoStagePipe(sched, **overrides):
   """A two-stage pipeline of 4 feed-forward layers, M=4; `overrides` are
   PipeliningLayer params (e.g. devices)."""
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe import layers  # pylint: disable=g-import-not-at-top
   layer = layers.TransformerFeedForwardLayer.Params().Set(input_dim=8, hidden_dim=16)
   cells = gpipe.PartitionSequentialLayers([layer.Copy() for _ in range(4)], 2,
                                           tf.TensorShape([8, 8]))

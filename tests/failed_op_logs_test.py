@@ -8,7 +8,7 @@ import textwrap
 _SCRIPT = textwrap.dedent('''
     import sys
     import tensorflow as tf
-    from lingvo_gpipe.core import loss_probe
+    from lingvo_gpipe.pipeline import loss_probe
 
     def Loss(logits, labels):
       print('the loss runs', file=sys.stderr)  # Written during the probe: kept.
@@ -41,7 +41,7 @@ def testTheProbesFailedOpsLogNothingAndOtherLinesAreKept():
 
 _DIES_IN_A_BLOCK = textwrap.dedent('''
     import os
-    from lingvo_gpipe.core import failed_op_logs
+    from lingvo_gpipe.pipeline import failed_op_logs
 
     with failed_op_logs.Dropped():
       with failed_op_logs.Dropped():  # A probe within a probe: no deadlock.

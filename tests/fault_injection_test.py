@@ -57,7 +57,7 @@ class _Trainer:
     env = dict(os.environ, LINGVO_GPIPE_PARAMS=_PARAMS_DIR, TF_CPP_MIN_LOG_LEVEL='2')
     with open(self._err_path, 'w') as err:
       self.proc = subprocess.Popen(
-          [sys.executable, '-m', 'lingvo_gpipe.trainer', f'--model={_MODEL}',
+          [sys.executable, '-m', 'lingvo_gpipe.runners.trainer', f'--model={_MODEL}',
            f'--logdir={logdir}', f'--max_steps={max_steps}',
            f'--model_params_override={settings}'],
           env=env, stdout=subprocess.DEVNULL, stderr=err)

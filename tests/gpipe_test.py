@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.core.gpipe against plain TensorFlow math on the same weights."""
+"""Tests of lingvo_gpipe.pipeline.gpipe against plain TensorFlow math on the same weights."""
 
 import itertools
 
@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.core import cell_functions
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import memory_stats
-from lingvo_gpipe.core import profiler
-from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.core import schedule
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import base_layer
+from lingvo_gpipe.foundation import memory_stats
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.layers import profiler
+from lingvo_gpipe.pipeline import cell_functions
+from lingvo_gpipe.pipeline import gpipe
+from lingvo_gpipe.pipeline import schedule
 
 DIM, HIDDEN, BATCH = 8, 16, 16
 

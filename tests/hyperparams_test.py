@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.core.hyperparams."""
+"""Tests of lingvo_gpipe.foundation.hyperparams."""
 
 import re
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.foundation import hyperparams
 
 
 class _Thing:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import input_generators as ig
+from lingvo_gpipe.inputs import input_generators as ig
 
 _TASKS = {'copy': lambda s: s, 'reverse': lambda s: s[::-1], 'sort': sorted}
 

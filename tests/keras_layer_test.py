@@ -1,14 +1,14 @@
-"""Tests of lingvo_gpipe.core.keras_layer: Keras layers as pipeline layers."""
+"""Tests of lingvo_gpipe.layers.keras_layer: Keras layers as pipeline layers."""
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import keras_layer
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.layers import keras_layer
+from lingvo_gpipe.pipeline import gpipe
 
 
 def _Pipe(params_list, num_stages, num_micro_batches, batch=8, **kwargs):

@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.keras_pipeline.PipelineModel against keras.Sequential."""
+"""Tests of lingvo_gpipe.runners.keras_pipeline.PipelineModel against keras.Sequential."""
 
 import functools
 import os
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import keras_pipeline
-from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.core import schedule
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.pipeline import schedule
+from lingvo_gpipe.runners import keras_pipeline
 
 _STEPS, _BATCH = 20, 16
 # Chunks per device of the schedules that run more than one.

@@ -1,4 +1,4 @@
-"""Conformance: every layer of lingvo_gpipe.core.layers passes the same checks.
+"""Conformance: every layer of lingvo_gpipe.layers passes the same checks.
 
 `ConformanceCases()` is the table, one case per layer class (a test fails when a
 class has none). Other test modules import it to run their own checks over every
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import base_layer
+from lingvo_gpipe.foundation import py_utils
 
 Case = collections.namedtuple('Case', ['name', 'params', 'make_inputs'])
 Case.__doc__ = """One layer configuration and the FProp inputs to run it on.

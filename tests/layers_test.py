@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.core.layers against independent numpy/TensorFlow references."""
+"""Tests of lingvo_gpipe.layers against independent numpy/TensorFlow references."""
 
 import math
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import base_layer
+from lingvo_gpipe.foundation import py_utils
 
 _NP_ACTIVATIONS = {
     'NONE': lambda x: x,

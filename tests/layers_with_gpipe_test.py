@@ -13,13 +13,13 @@ import pytest
 import tensorflow as tf
 
 import pairwise
-from lingvo_gpipe import learner
-from lingvo_gpipe import tasks
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import layers_with_gpipe as lg
-from lingvo_gpipe.core import profiler
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.layers import profiler
+from lingvo_gpipe.models import layers_with_gpipe as lg
+from lingvo_gpipe.models import tasks
+from lingvo_gpipe.pipeline import gpipe
+from lingvo_gpipe.training import learner
 
 NestedMap = py_utils.NestedMap
 _B, _S, _T, _VOCAB = 4, 5, 6, 11

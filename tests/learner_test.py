@@ -4,15 +4,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import base_model
-from lingvo_gpipe import base_runner
-from lingvo_gpipe import learner as learner_lib
-from lingvo_gpipe import loss_scale
-from lingvo_gpipe import optimizer
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.core import steady_state
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.models import base_model
+from lingvo_gpipe.pipeline import gpipe
+from lingvo_gpipe.pipeline import steady_state
+from lingvo_gpipe.runners import base_runner
+from lingvo_gpipe.training import learner as learner_lib
+from lingvo_gpipe.training import loss_scale
+from lingvo_gpipe.training import optimizer
 
 def testGradientsAndVariablesSumsTiedWeightsAndSkipsFrozen():
   shared = tf.Variable([1.0, 2.0], name='shared')

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from lingvo_gpipe.core import log_filter
+from lingvo_gpipe.foundation import log_filter
 
 
 @pytest.mark.parametrize('line,level,shown', [

@@ -1,4 +1,4 @@
-"""Tests of the probe of per-micro-batch losses (core/loss_probe.py)."""
+"""Tests of the probe of per-micro-batch losses (lingvo_gpipe/pipeline/loss_probe.py)."""
 
 import gc
 import itertools
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import loss_probe
-from lingvo_gpipe.core import metrics
+from lingvo_gpipe.pipeline import loss_probe
+from lingvo_gpipe.pipeline import metrics
 
 
 @pytest.mark.parametrize('dtype', [tf.float32, tf.bfloat16, tf.float16])

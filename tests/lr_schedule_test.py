@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.lr_schedule against the schedules' formulas."""
+"""Tests of lingvo_gpipe.training.lr_schedule against the schedules' formulas."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import lr_schedule
+from lingvo_gpipe.training import lr_schedule
 
 
 def _Values(schedule, steps):

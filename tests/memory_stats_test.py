@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from lingvo_gpipe.core import memory_stats
+from lingvo_gpipe.foundation import memory_stats
 
 
 def testPeakIsTheBytesOfATemporaryAboveTheLiveSet():
@@ -38,7 +38,7 @@ def testWithoutStatisticsTheErrorSaysHowToTurnThemOn():
   assert proc.returncode == 1
   assert proc.stderr.strip().splitlines()[-1] == (
       'RuntimeError: The allocator of CPU:0 keeps no statistics, so peak memory cannot be '
-      'measured: call lingvo_gpipe.core.memory_stats.EnableStats() (or set '
+      'measured: call lingvo_gpipe.foundation.memory_stats.EnableStats() (or set '
       'TF_CPU_ALLOCATOR_USE_BFC=true) before TensorFlow runs its first op.')
 
 

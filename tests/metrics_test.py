@@ -1,8 +1,8 @@
-"""Tests of (value, weight) metrics and their merging (core/metrics.py)."""
+"""Tests of (value, weight) metrics and their merging (lingvo_gpipe/pipeline/metrics.py)."""
 
 import pytest
 
-from lingvo_gpipe.core import metrics
+from lingvo_gpipe.pipeline import metrics
 
 
 def testMergeMetricsWeighsEachValueByItsWeight():

@@ -1,12 +1,12 @@
-"""Tests of lingvo_gpipe.core.microbatch and lingvo_gpipe.core.devices."""
+"""Tests of lingvo_gpipe.pipeline.microbatch and lingvo_gpipe.foundation.devices."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import devices
-from lingvo_gpipe.core import microbatch
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.foundation import devices
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.pipeline import microbatch
 
 
 def _Batch():

@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.model_registry."""
+"""Tests of lingvo_gpipe.models.model_registry."""
 
 import importlib
 import os
@@ -8,16 +8,16 @@ import sys
 
 import pytest
 
-from lingvo_gpipe import base_model_params
-from lingvo_gpipe import model_registry
+from lingvo_gpipe.models import base_model_params
+from lingvo_gpipe.models import model_registry
 import lingvo_gpipe.params
 
 # A params file; Task() and Train() return shared module-level params, so only
 # GetParams' deep copy keeps callers' changes from leaking into later calls.
 _PARAMS_FILE = """\
-from lingvo_gpipe import base_model_params
-from lingvo_gpipe import model_registry
-from lingvo_gpipe.core import hyperparams
+from lingvo_gpipe.foundation import hyperparams
+from lingvo_gpipe.models import base_model_params
+from lingvo_gpipe.models import model_registry
 
 
 def _Input(batch_size):

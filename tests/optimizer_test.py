@@ -1,10 +1,10 @@
-"""Tests of lingvo_gpipe.optimizer against hand-computed and numpy reference updates."""
+"""Tests of lingvo_gpipe.training.optimizer against hand-computed and numpy reference updates."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import optimizer
+from lingvo_gpipe.training import optimizer
 
 
 def _Run(params, initial, grads, lr=0.1, use_function=False):

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from lingvo_gpipe import base_model
-from lingvo_gpipe import base_model_params
-from lingvo_gpipe import model_registry
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.models import base_model
+from lingvo_gpipe.models import base_model_params
+from lingvo_gpipe.models import model_registry
 
 _KEYS = [
     'image.synthetic.GPipeConvNet',

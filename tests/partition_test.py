@@ -1,11 +1,11 @@
-"""Tests of lingvo_gpipe.core.partition against brute force."""
+"""Tests of lingvo_gpipe.pipeline.partition against brute force."""
 
 import itertools
 import random
 
 import pytest
 
-from lingvo_gpipe.core import partition
+from lingvo_gpipe.pipeline import partition
 
 
 def _AllSplits(n, k):

@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.pipeline_check (the trainer's --mode=check_pipeline)."""
+"""Tests of lingvo_gpipe.runners.pipeline_check (the trainer's --mode=check_pipeline)."""
 
 import os
 import subprocess
@@ -7,14 +7,14 @@ import sys
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import base_input_generator
-from lingvo_gpipe import base_model
-from lingvo_gpipe import pipeline_check
-from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import pipeline_params
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import base_layer
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.inputs import base_input_generator
+from lingvo_gpipe.models import base_model
+from lingvo_gpipe.pipeline import gpipe
+from lingvo_gpipe.pipeline import pipeline_params
+from lingvo_gpipe.runners import pipeline_check
 
 DIM = 6
 
@@ -103,7 +103,7 @@ def testStatefulRandomOpsFailTheCheck():
 
 def testTheTrainerRunsTheCheckOnARegisteredModel(tmp_path):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
-  command = [sys.executable, '-m', 'lingvo_gpipe.trainer', '--mode=check_pipeline',
+  command = [sys.executable, '-m', 'lingvo_gpipe.runners.trainer', '--mode=check_pipeline',
              '--model=lm.synthetic.GPipeTransformerLmTiny', '--check_steps=2']
   proc = subprocess.run(command + ["--model_params_override=task.stack.schedule : '1f1b'"],
                         env=env, capture_output=True, text=True, check=False, cwd=tmp_path)

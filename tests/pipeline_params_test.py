@@ -1,12 +1,12 @@
-"""Tests of lingvo_gpipe.core.pipeline_params: one API over every pipeline's params."""
+"""Tests of lingvo_gpipe.pipeline.pipeline_params: one API over every pipeline's params."""
 
 import pytest
 
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import hyperparams
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import layers_with_gpipe
-from lingvo_gpipe.core import pipeline_params
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import hyperparams
+from lingvo_gpipe.models import layers_with_gpipe
+from lingvo_gpipe.pipeline import gpipe
+from lingvo_gpipe.pipeline import pipeline_params
 
 
 def _Projections(n):

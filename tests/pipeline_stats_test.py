@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.core.pipeline_stats: hand-made timelines and real pipelines."""
+"""Tests of lingvo_gpipe.insight.pipeline_stats: hand-made timelines and real pipelines."""
 
 import collections
 import glob
@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import cell_functions
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import pipeline_stats
-from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.core import schedule
-from lingvo_gpipe.core import simulator
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.insight import pipeline_stats
+from lingvo_gpipe.insight import simulator
+from lingvo_gpipe.pipeline import cell_functions
+from lingvo_gpipe.pipeline import gpipe
+from lingvo_gpipe.pipeline import schedule
 
 T0 = 100.0
 
@@ -377,7 +377,7 @@ _PARAMS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'testdata
 def _StartTrainer(logdir, *flags):
   env = dict(os.environ, LINGVO_GPIPE_PARAMS=_PARAMS_DIR, TF_CPP_MIN_LOG_LEVEL='2')
   return subprocess.Popen(
-      [sys.executable, '-m', 'lingvo_gpipe.trainer', '--model=toy.regression.PipelinedRegression',
+      [sys.executable, '-m', 'lingvo_gpipe.runners.trainer', '--model=toy.regression.PipelinedRegression',
        f'--logdir={logdir}', '--max_steps=4', *flags],
       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

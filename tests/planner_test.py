@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.core.planner: plans against brute force, plans applied, profiles."""
+"""Tests of lingvo_gpipe.insight.planner: plans against brute force, plans applied, profiles."""
 
 import itertools
 import os
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import layers_with_gpipe
-from lingvo_gpipe.core import planner
-from lingvo_gpipe.core import profiler
-from lingvo_gpipe.core import simulator
+from lingvo_gpipe import layers
+from lingvo_gpipe.insight import planner
+from lingvo_gpipe.insight import simulator
+from lingvo_gpipe.layers import profiler
+from lingvo_gpipe.models import layers_with_gpipe
+from lingvo_gpipe.pipeline import gpipe
 
 
 def _Profiles(seed, n):
@@ -357,7 +357,7 @@ def testAnEvalerTakesTheTrainersPlanAndMicroBatchSize(tmp_path):
                layers=[profiler.LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names]).Save(path)
   for job in ('controller,trainer', 'evaler_dev'):
     proc = subprocess.run(
-        [sys.executable, '-m', 'lingvo_gpipe.trainer', '--mode=inspect_params',
+        [sys.executable, '-m', 'lingvo_gpipe.runners.trainer', '--mode=inspect_params',
          '--model=lm.text.GPipeByteLm', f'--job={job}', f'--balance_file={path}',
          '--model_params_override=task.stack.micro_batch_size : 4'],
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'), capture_output=True, text=True,
@@ -395,7 +395,7 @@ def testStackProfilesGlueTheSoftmaxAndTheTrainerTakesThePlan(tmp_path):
   # The registered tiny LM has 2 decoder layers: a plan of this stack's layers does not fit.
   plan.Save(path)
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
-  trainer = [sys.executable, '-m', 'lingvo_gpipe.trainer', '--mode=inspect_params',
+  trainer = [sys.executable, '-m', 'lingvo_gpipe.runners.trainer', '--mode=inspect_params',
              '--model=lm.synthetic.GPipeTransformerLmTiny']
   proc = subprocess.run(trainer + [f'--balance_file={path}'], env=env, capture_output=True,
                         text=True, check=False)

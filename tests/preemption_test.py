@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from lingvo_gpipe import preemption
+from lingvo_gpipe.training import preemption
 
 # The child counts 'steps' of 50 ms until asked to stop, or blocks in one long
 # call (a sleep standing for a TensorFlow call) when told to.
 _CHILD = '''
 import sys, time
-from lingvo_gpipe import preemption
+from lingvo_gpipe.training import preemption
 with preemption.StopOnSignals() as stop:
   print('ready', flush=True)
   if sys.argv[1] == 'block':

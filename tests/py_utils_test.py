@@ -1,10 +1,10 @@
-"""Tests of lingvo_gpipe.core.py_utils."""
+"""Tests of lingvo_gpipe.foundation.py_utils."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe.foundation import py_utils
 
 NestedMap = py_utils.NestedMap
 

@@ -1,16 +1,16 @@
-"""Tests of re-materialization inside a stack (core/remat.py) against the plain layers without it."""
+"""Tests of re-materialization inside a stack (lingvo_gpipe/layers/remat.py) against the plain layers without it."""
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import pairwise
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import memory_stats
-from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.core import remat
-from lingvo_gpipe.core import schedule
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import memory_stats
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.layers import remat
+from lingvo_gpipe.pipeline import gpipe
+from lingvo_gpipe.pipeline import schedule
 
 DIM, BATCH = 8, 8
 POLICIES = ['none', 'every_layer', 'every_2', 'r1+r3']

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from lingvo_gpipe import base_runner
-from lingvo_gpipe import run_lock
+from lingvo_gpipe.foundation import errors
+from lingvo_gpipe.training import run_lock
 
 
 def _LockFile(directory):
@@ -31,7 +31,7 @@ def testTheHolderIsWrittenAndASecondLockRefusedInOneLine(tmp_path):
   with run_lock.RunLock(str(tmp_path)):
     holder = json.load(open(_LockFile(tmp_path)))
     assert holder['host'] == socket.gethostname() and holder['pid'] == os.getpid()
-    with pytest.raises(base_runner.UserError) as e:
+    with pytest.raises(errors.UserError) as e:
       run_lock.RunLock(str(tmp_path)).__enter__()
     assert str(e.value) == (
         f'{tmp_path} is in use by another trainer (pid {os.getpid()} on host '
@@ -61,7 +61,7 @@ def testALockHeldByAnotherProcessIsRefused(tmp_path):
                             stdout=subprocess.PIPE, text=True)
   try:
     assert holder.stdout.readline() == 'held\n'
-    with pytest.raises(base_runner.UserError, match=f'in use by another trainer '
+    with pytest.raises(errors.UserError, match=f'in use by another trainer '
                                                     f'\\(pid {holder.pid} '):
       run_lock.RunLock(str(tmp_path)).__enter__()
   finally:
@@ -88,7 +88,7 @@ def testALockOfAnotherHostIsRefusedAndKept(tmp_path, pid_now):
   pid = os.getppid() if pid_now == 'alive' else _DeadPid()
   _WriteHolder(tmp_path, host, pid)
   before = open(_LockFile(tmp_path)).read()
-  with pytest.raises(base_runner.UserError, match=f'names pid {pid} on host {host} since .*, '
+  with pytest.raises(errors.UserError, match=f'names pid {pid} on host {host} since .*, '
                                                   'which may still be running'):
     run_lock.RunLock(str(tmp_path)).__enter__()
   assert open(_LockFile(tmp_path)).read() == before

@@ -1,11 +1,11 @@
-"""Tests of lingvo_gpipe.core.schedule: the action IR, its checker and the named schedules."""
+"""Tests of lingvo_gpipe.pipeline.schedule: the action IR, its checker and the named schedules."""
 
 import itertools
 
 import pytest
 
-from lingvo_gpipe.core import schedule
-from lingvo_gpipe.core import simulator
+from lingvo_gpipe.insight import simulator
+from lingvo_gpipe.pipeline import schedule
 
 A = schedule.Action
 F, B, W, BW, L = 'F', 'B', 'W', 'BW', 'L'

@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.core.simulator against schedule.Simulate and closed forms."""
+"""Tests of lingvo_gpipe.insight.simulator against schedule.Simulate and closed forms."""
 
 import itertools
 import time
@@ -6,8 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from lingvo_gpipe.core import schedule
-from lingvo_gpipe.core import simulator
+from lingvo_gpipe.insight import simulator
+from lingvo_gpipe.pipeline import schedule
 
 A = schedule.Action
 NAMED = [('gpipe', 1), ('1f1b', 1), ('interleaved_1f1b', 2), ('zb_h1', 1), ('zb_h2', 1),

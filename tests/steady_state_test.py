@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import cell_functions
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.core import schedule as schedule_lib
-from lingvo_gpipe.core import steady_state
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.pipeline import cell_functions
+from lingvo_gpipe.pipeline import gpipe
+from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import steady_state
 
 _V = {'interleaved_1f1b': 2, 'zbv': 2}
 _SCHEDULES = list(schedule_lib.SCHEDULE_NAMES)

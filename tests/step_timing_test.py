@@ -1,8 +1,8 @@
-"""Tests of step stamps (core/step_timing.py)."""
+"""Tests of step stamps (lingvo_gpipe/pipeline/step_timing.py)."""
 
 import tensorflow as tf
 
-from lingvo_gpipe.core import step_timing
+from lingvo_gpipe.pipeline import step_timing
 
 
 def testAStampWaitsForAGpuTensorsFirstElementOnTheHost():

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import model_registry
-from lingvo_gpipe import learner
-from lingvo_gpipe import pipeline_check
-from lingvo_gpipe import tasks
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import layers_with_gpipe
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.models import layers_with_gpipe
+from lingvo_gpipe.models import model_registry
+from lingvo_gpipe.models import tasks
+from lingvo_gpipe.runners import pipeline_check
+from lingvo_gpipe.training import learner
 
 NestedMap = py_utils.NestedMap
 
@@ -304,7 +304,7 @@ def testLmOnUnevenMicroBatchesEqualsTapeOverFPropTower():
 
 
 def _StackTask(loss, out_dim, schedule='1f1b', **kwargs):
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  from lingvo_gpipe.pipeline import gpipe  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   cells = [layers.ProjectionLayer.Params().Set(name='hidden', input_dim=6, output_dim=16,
                                                activation='RELU'),
            layers.ProjectionLayer.Params().Set(name='out', input_dim=16, output_dim=out_dim)]

@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-from lingvo_gpipe.core import microbatch
-from lingvo_gpipe.core import planner
-from lingvo_gpipe.core import profiler
-from lingvo_gpipe.core import schedule
-from lingvo_gpipe.core import simulator
+from lingvo_gpipe.insight import planner
+from lingvo_gpipe.insight import simulator
+from lingvo_gpipe.layers import profiler
+from lingvo_gpipe.pipeline import microbatch
+from lingvo_gpipe.pipeline import schedule
 
 _TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tools')
 TOOLS = ('pipeline_benchmark', 'throughput_benchmark', 'memory_curves', 'capacity_benchmark',

@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import base_runner
-from lingvo_gpipe import checkpoint_files
-from lingvo_gpipe import checkpointer as checkpointer_lib
-from lingvo_gpipe import trainer
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import hyperparams
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import hyperparams
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.pipeline import gpipe
+from lingvo_gpipe.runners import base_runner
+from lingvo_gpipe.runners import trainer
+from lingvo_gpipe.training import checkpoint_files
+from lingvo_gpipe.training import checkpointer as checkpointer_lib
 
 _PARAMS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'testdata', 'params')
 _MODEL = 'toy.regression.PipelinedRegression'
@@ -45,7 +45,7 @@ def _Start(*flags, model=_MODEL, cpp_log_level='2', params_dir=_PARAMS_DIR):
              TF_CPP_MIN_LOG_LEVEL=cpp_log_level)
   if cpp_log_level is None:
     del env['TF_CPP_MIN_LOG_LEVEL']
-  args = [sys.executable, '-m', 'lingvo_gpipe.trainer'] + ([f'--model={model}'] if model else [])
+  args = [sys.executable, '-m', 'lingvo_gpipe.runners.trainer'] + ([f'--model={model}'] if model else [])
   return subprocess.Popen(args + list(flags), env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
 
@@ -325,7 +325,7 @@ def testInspectParamsAppliesOverrides():
   lines = out.splitlines()
   for expected in ('task.hidden_dim : 7', 'task.train.learning_rate : 0.5',
                    'train.max_steps : 9', "task.name : 'a;b'",
-                   'task.train.optimizer.cls : lingvo_gpipe.optimizer.Adam',
+                   'task.train.optimizer.cls : lingvo_gpipe.training.optimizer.Adam',
                    'input.cls : _lingvo_gpipe_params_dir_'):
     assert any(line.startswith(expected) for line in lines), expected
 
@@ -474,8 +474,8 @@ def testListModelsPrintsKeysWithTheirDocstringsFirstLine():
 
 
 _TRAIN_AND_DEV = """
-from lingvo_gpipe import base_model_params
-from lingvo_gpipe import model_registry
+from lingvo_gpipe.models import base_model_params
+from lingvo_gpipe.models import model_registry
 from lingvo_gpipe.params.lm import synthetic
 
 
@@ -502,7 +502,7 @@ def testEvalerSaysWhenItsDatasetFallsBackToTrain(tmp_path, capsys, monkeypatch, 
 
 
 _FILL_DRAIN_WITH_LOSS_PER_MICRO_BATCH = """
-from lingvo_gpipe import model_registry
+from lingvo_gpipe.models import model_registry
 from lingvo_gpipe.params.lm import synthetic
 
 
@@ -662,8 +662,8 @@ def testARunResumesUnderAnotherCutAPlanAndUnpipelinedWithTheSameLosses(tmp_path)
 
 def testTrainerAndEstimatorShareOneCheckpointLayout(tmp_path):
   """A trainer checkpoint trains on in an Estimator's model_dir, and back."""
-  from lingvo_gpipe import estimator  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe import model_registry  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.runners import estimator  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.models import model_registry  # pylint: disable=g-import-not-at-top
   model_registry.ImportParams(_PARAMS_DIR)
   logdir = tmp_path / 'run'
   _Ok(_Run(f'--logdir={logdir}', '--max_steps=2'))

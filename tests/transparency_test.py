@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe import learner
-from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import layers_with_gpipe
-from lingvo_gpipe.core import microbatch
-from lingvo_gpipe.core import pipeline_params
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import base_layer
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.models import layers_with_gpipe
+from lingvo_gpipe.pipeline import gpipe
+from lingvo_gpipe.pipeline import microbatch
+from lingvo_gpipe.pipeline import pipeline_params
+from lingvo_gpipe.training import learner
 
 VOCAB, DIM, SEQ, BATCH = 11, 8, 5, 16
 STEPS, LR, DROP = 20, 0.05, 0.2

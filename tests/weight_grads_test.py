@@ -1,14 +1,14 @@
-"""Tests of lingvo_gpipe.core.weight_grads: B's adjoints and W's weight gradients, each in a
+"""Tests of lingvo_gpipe.pipeline.weight_grads: B's adjoints and W's weight gradients, each in a
 function of its own, against one plain tape's gradients of the same forward."""
 
 import pytest
 import tensorflow as tf
 
-from lingvo_gpipe.core import base_layer
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import py_utils
-from lingvo_gpipe.core import remat
-from lingvo_gpipe.core import weight_grads
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import base_layer
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.layers import remat
+from lingvo_gpipe.pipeline import weight_grads
 
 DIM = 8
 

@@ -25,7 +25,7 @@ import sys
 import time
 
 from absl import flags
-from lingvo_gpipe import binaries
+from lingvo_gpipe.runners import binaries
 
 
 def DefineOutputPath(name, default, help_text):
@@ -144,8 +144,8 @@ def SetUpDevices(num_devices, intra_op_threads=0, inter_op_threads=0):
   """num_devices logical CPU devices and thread pools (0: TensorFlow's default); returns tf."""
   binaries.QuietTensorFlow()
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import devices  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.foundation import devices  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.foundation import memory_stats  # pylint: disable=g-import-not-at-top
   memory_stats.EnableStats()
   devices.ConfigureLocal('cpu', max(1, num_devices))
   tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
@@ -182,7 +182,7 @@ def LayerParams(config):
   """(layer params, input shape) of a built-in stack: config has model ('mlp' or 'transformer'),
   layers, width, hidden, rows, seq_len (a Transformer's only) and optionally heads (default
   width / 64)."""
-  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe import layers  # pylint: disable=g-import-not-at-top
   if config['model'] == 'mlp':
     layer = layers.TransformerFeedForwardLayer.Params().Set(
         input_dim=config['width'], hidden_dim=config['hidden'])
@@ -211,8 +211,8 @@ def MeasuredStep(tf, body):
   once the measured step's outputs exist, without fetching them: a timed step's
   gradients stay on their devices too.
   """
-  from lingvo_gpipe.core import pipeline_stats  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import py_utils  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.insight import pipeline_stats  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.foundation import py_utils  # pylint: disable=g-import-not-at-top
   records = []
 
   def Outputs():
@@ -243,10 +243,10 @@ def _Run(tf, body):
 
 
 def _BuiltInStep(tf, config, devices=None, input_device=None):
-  from lingvo_gpipe import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import microbatch  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.distribution import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe import layers  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import microbatch  # pylint: disable=g-import-not-at-top
   layer_params, shape = LayerParams(config)
   if config['stages']:  # A configured batch that leaves micro-batches empty measures nothing.
     microbatch.NumMicroBatches(shape[0], config['micro_batches'])
@@ -285,8 +285,8 @@ def _BuiltInStep(tf, config, devices=None, input_device=None):
 
 
 def _RegisteredStep(tf, config):
-  from lingvo_gpipe import base_runner  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe import model_registry  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.runners import base_runner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.models import model_registry  # pylint: disable=g-import-not-at-top
   params = model_registry.GetParams(config['model'], 'Train')
   stack = params.task.stack
   plain = config['stages'] == 0
@@ -331,7 +331,7 @@ def MedianSeconds(fn, repeats):
 
 def MeasureBubble(measured, repeats):
   """The pipeline_stats.Summary (as a dict) with the median bubble of repeats measured() steps."""
-  from lingvo_gpipe.core import pipeline_stats  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.insight import pipeline_stats  # pylint: disable=g-import-not-at-top
   measured()  # Trace and warm up.
   summaries = sorted((pipeline_stats.Summarize(measured()) for _ in range(repeats)),
                      key=lambda s: s.bubble_fraction)

@@ -3,7 +3,7 @@ r"""GPipe Table 1 on this machine: the largest Transformer that trains one step 
 Two ways to train on one device, as the paper's Naive-1 and Pipeline-1:
   naive     the plain layer stack on the whole batch, no re-materialization;
   pipeline  one pipeline stage (K=1) with M micro-batches and re-materialization,
-            once per --remat_policies (cell_remat_policy, core/remat.py: 'none'
+            once per --remat_policies (cell_remat_policy, lingvo_gpipe/layers/remat.py: 'none'
             re-materializes the cell as a whole, 'every_layer' also keeps only
             each layer's output while the cell's backward runs).
 A step is forward, backward and an SGD update of every weight. Its memory is the
@@ -29,7 +29,7 @@ import math
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe import binaries
+from lingvo_gpipe.runners import binaries
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float('budget_mb', 256.0, 'Allocator budget of one training step, in MiB.')
@@ -55,8 +55,8 @@ def _Name(config):
 def _RunOne(config):
   """Peak allocator MiB (weights included) of the first training step of a configuration."""
   tf = bench_utils.SetUpDevices(1)
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe import layers  # pylint: disable=g-import-not-at-top
   layer_params, shape = bench_utils.LayerParams(
       dict(config, model='transformer', hidden=4 * config['width']))
   if config['mode'] == 'naive':

@@ -40,8 +40,8 @@ import time
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe import binaries
-from lingvo_gpipe.core import schedule as schedule_lib
+from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.runners import binaries
 import local_cluster
 
 FLAGS = flags.FLAGS
@@ -81,7 +81,7 @@ def _Loss(y):
 def _StepsPerSecond(config, device, forward_backward, variables):
   """Times calls of steps_per_call SGD steps; returns (first call s, [s per step])."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.distribution import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   rows, width, n = config['rows'], config['width'], config['steps_per_call']
   with tf.device(device):
     counter = tf.Variable(0, dtype=tf.int64, trainable=False, name='counter')
@@ -122,7 +122,7 @@ def _Baseline(config):
   os.sched_setaffinity(0, {0})
   tf = bench_utils.SetUpDevices(1, intra_op_threads=1,
                                 inter_op_threads=config['inter_op_threads'])
-  from lingvo_gpipe.core import layers  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe import layers  # pylint: disable=g-import-not-at-top
   model = layers.SequentialLayer.Params().Set(name='model', sub=_Layers(config)).Instantiate()
   variables = model.trainable_variables
 
@@ -138,8 +138,8 @@ def _Pipeline(config):
   """Two stages on the cluster's two workers with M micro-batches; this process only
   dispatches."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.distribution import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import gpipe  # pylint: disable=g-import-not-at-top
   cluster_lib.Connect(config['spec'], timeout_secs=120)
   devices = cluster_lib.PipelineDevices(2)
   v = bench_utils.VIRTUAL_STAGES.get(config['schedule'], 1)
@@ -164,7 +164,7 @@ def _Pipeline(config):
 def _Bubble(config, device, pipe):
   """Measured, simulated and theoretical bubble of forward-backward steps of `pipe`."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.distribution import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
 
   def Body():
     with tf.device(device):

@@ -31,8 +31,8 @@ import time
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe import binaries
-from lingvo_gpipe.core import schedule as schedule_lib
+from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.runners import binaries
 
 flags.DEFINE_string('single', None, 'Internal: run one point given as JSON.')
 flags.DEFINE_enum('device', 'auto', ['auto', 'gpu', 'cpu'],
@@ -67,8 +67,8 @@ def _SetUp(config):
   """TensorFlow with the point's K devices (a GPU split into K, or K logical CPUs)."""
   binaries.QuietTensorFlow()
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import devices  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.foundation import devices  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.foundation import memory_stats  # pylint: disable=g-import-not-at-top
   memory_stats.EnableStats()
   k = max(1, config['stages'])
   gpu = devices.LocalKind(config['device'], len(tf.config.list_physical_devices('GPU')))
@@ -80,7 +80,7 @@ def _SetUp(config):
 def _Params(config, model):
   """Train params of `model` cut into the point's K stages (v chunks each), M, schedule."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe import base_runner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.runners import base_runner  # pylint: disable=g-import-not-at-top
   params = base_runner.LoadModelParams(model, 'Train')
   stack = params.task.stack
   v = bench_utils.VIRTUAL_STAGES.get(config['schedule'], 1)
@@ -94,10 +94,10 @@ def _Params(config, model):
 
 def _Training(tf, params):
   """(run(n): n training steps in one call, the task): the trainer's Learner and step."""
-  from lingvo_gpipe import base_runner  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe import learner as learner_lib  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import cell_functions  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.runners import base_runner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.training import learner as learner_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import cell_functions  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import gpipe  # pylint: disable=g-import-not-at-top
   task = params.task.Instantiate()
   step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
   learner = learner_lib.Learner(task.train_params, task.trainable_variables, step)
@@ -121,7 +121,7 @@ def _Training(tf, params):
 
 
 def _Exact(config):
-  from lingvo_gpipe import pipeline_check  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.runners import pipeline_check  # pylint: disable=g-import-not-at-top
   report = pipeline_check.CheckPipeline(_Params(config, config['exact_model']),
                                         tolerance=config['tolerance'])
   return dict(loss_difference=report.loss_difference, weights_difference=report.weights[0],
@@ -129,8 +129,8 @@ def _Exact(config):
 
 
 def _Memory(tf, config):
-  from lingvo_gpipe.core import devices  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.foundation import devices  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.insight import planner  # pylint: disable=g-import-not-at-top
   params = _Params(config, config['model'])
   pipe = params.task.stack
   rows = params.input.batch_size
@@ -180,7 +180,7 @@ def _Throughput(tf, config):
 
 def _RunOne(config):
   tf = _SetUp(config)
-  from lingvo_gpipe.core import devices  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.foundation import devices  # pylint: disable=g-import-not-at-top
   section = config['section']
   result = (_Exact(config) if section == 'exact' else
             _Memory(tf, config) if section == 'memory' else

@@ -38,12 +38,12 @@ import time
 from absl import app
 from absl import flags
 
-from lingvo_gpipe import binaries
+from lingvo_gpipe.runners import binaries
 
-binaries.QuietTensorFlow()  # Before lingvo_gpipe.cluster imports TensorFlow.
+binaries.QuietTensorFlow()  # Before lingvo_gpipe.distribution.cluster imports TensorFlow.
 
 # pylint: disable-next=g-import-not-at-top,wrong-import-position
-from lingvo_gpipe import cluster as cluster_lib
+from lingvo_gpipe.distribution import cluster as cluster_lib
 import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
 
 _HOST = 'localhost'
@@ -128,7 +128,7 @@ class LocalCluster:
 
   def Command(self, task):
     """The command line of worker `task`."""
-    command = [sys.executable, '-m', 'lingvo_gpipe.trainer', '--job=worker', f'--task={task}',
+    command = [sys.executable, '-m', 'lingvo_gpipe.runners.trainer', '--job=worker', f'--task={task}',
                f'--cluster_spec={self.spec_text}',
                f'--worker_intra_op_threads={self._threads[0]}',
                f'--worker_inter_op_threads={self._threads[1]}', *self._worker_args]

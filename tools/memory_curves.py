@@ -13,7 +13,7 @@ least squares and prints each point against the fit, with the plain model for
 scale.
 
 With --remat_every, it also sweeps N of cell_remat_policy='every_N' (a
-checkpoint every N layers inside each cell; core/remat.py) at the K values of
+checkpoint every N layers inside each cell; lingvo_gpipe/layers/remat.py) at the K values of
 --remat_stages and M=--fixed_micro_batches: the peak and the step time against
 the same K and M without a policy. Those points are not in the fit.
 
@@ -45,9 +45,9 @@ import time
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe import binaries
-from lingvo_gpipe.core import schedule as schedule_lib
-from lingvo_gpipe.core import simulator
+from lingvo_gpipe.insight import simulator
+from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.runners import binaries
 import numpy as np
 
 FLAGS = flags.FLAGS
@@ -99,8 +99,8 @@ def _RunOnWorkers(config):
   over the steps after the first above what it holds after them (weights, gradient sums)."""
   import local_cluster  # pylint: disable=g-import-not-at-top
   tf = bench_utils.SetUpDevices(1)
-  from lingvo_gpipe import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.distribution import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.foundation import memory_stats  # pylint: disable=g-import-not-at-top
   k, interval = config['stages'], 0.05
   with local_cluster.LocalCluster(k, intra_op_threads=1,
                                   inter_op_threads=config['inter_op_threads'],
@@ -124,7 +124,7 @@ def _RunOne(config):
   if config.get('per_device'):
     return _RunOnWorkers(config)
   tf = bench_utils.SetUpDevices(config['stages'], inter_op_threads=config['inter_op_threads'])
-  from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.foundation import memory_stats  # pylint: disable=g-import-not-at-top
   step = bench_utils.BuildStep(tf, config)
   step.run()  # Trace and warm up.
   peaks, seconds = [], []

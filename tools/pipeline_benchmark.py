@@ -20,8 +20,8 @@ import statistics
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe import binaries
-from lingvo_gpipe.core import schedule as schedule_lib
+from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.runners import binaries
 
 PRESETS = {
     'anchors': dict(model='mlp', layers=16, width=256, hidden=1024, rows=8192),
@@ -79,7 +79,7 @@ def _Grid():
 def _RunOne(config):
   """Builds the stack and times it; runs in a fresh process."""
   tf = bench_utils.SetUpDevices(config['stages'])
-  from lingvo_gpipe.core import memory_stats  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.foundation import memory_stats  # pylint: disable=g-import-not-at-top
   step = bench_utils.BuildStep(tf, config)
   trace_s = bench_utils.Seconds(step.run)
   times = []

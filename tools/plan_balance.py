@@ -1,11 +1,11 @@
 r"""Plans a model's pipeline split from measured layer costs, under a memory cap per device.
 
 Profiles each layer once at the micro-batch size (forward and backward time,
-parameter, input and activation bytes; lingvo_gpipe.core.planner), finds the
+parameter, input and activation bytes; lingvo_gpipe.insight.planner), finds the
 contiguous split into K stages minimising the slowest stage among those whose
 every device fits --memory_cap_mb, saves it as a JSON plan and compares it,
 through the simulator, with the model's own split (FLOP-balanced). Given several
---remat_policy values (cell_remat_policy, core/remat.py), it plans with each and
+--remat_policy values (cell_remat_policy, lingvo_gpipe/layers/remat.py), it plans with each and
 keeps the fastest plan that fits: under a tight cap, checkpoints inside deeper
 stages can beat a coarser policy that only fits with more micro-batches or
 stages.
@@ -33,8 +33,9 @@ import tempfile
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe import binaries
-from lingvo_gpipe.core import schedule as schedule_lib
+from lingvo_gpipe.foundation import errors
+from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.runners import binaries
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', 'lm.synthetic.GPipeTransformerLmBig',
@@ -94,11 +95,11 @@ def _Measured(profile):
 def _Profile(tf):
   """(profiles, glued layers, the model's own ends, K, M, schedule, remat, remat policy,
   batch rows)."""
-  from lingvo_gpipe import base_runner  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import pipeline_params  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import profiler  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.runners import base_runner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import pipeline_params  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.insight import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.layers import profiler  # pylint: disable=g-import-not-at-top
 
   def Progress(i, n, profile):
     backward = (f'backward {profile.backward_s * 1e3:.3g} ms' if _Measured(profile) else
@@ -122,7 +123,7 @@ def _Profile(tf):
             'none', shape[0])
   try:
     params = base_runner.LoadModelParams(FLAGS.model, 'Train', FLAGS.model_params_override)
-  except base_runner.UserError as e:
+  except errors.UserError as e:
     sys.exit(f'plan_balance: error: {e}')
   pipelines = list(pipeline_params.Find(params.task, 'task'))
   if len(pipelines) != 1:
@@ -146,7 +147,7 @@ def _Profile(tf):
 def _MicroBatches(rows, m, micro_batch_size=None, replicas=1):
   """M per replica of a `rows` batch, as the pipeline computes it; exits with the pipeline's
   own message for fewer rows than micro-batches."""
-  from lingvo_gpipe.core import microbatch  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import microbatch  # pylint: disable=g-import-not-at-top
   try:
     return microbatch.NumMicroBatches(rows, m, micro_batch_size, replicas)
   except ValueError as e:
@@ -156,7 +157,7 @@ def _MicroBatches(rows, m, micro_batch_size=None, replicas=1):
 def main(argv):
   del argv
   tf = bench_utils.SetUpDevices(1)
-  from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.insight import planner  # pylint: disable=g-import-not-at-top
   load_before = bench_utils.Load()
   profiles, glued, own_ends, k, m, schedule, remat, own_policy, rows = _Profile(tf)
   cap = None if FLAGS.memory_cap_mb is None else FLAGS.memory_cap_mb * 2**20
@@ -211,7 +212,7 @@ def main(argv):
 
 def _CandidateTable(candidates, cap):
   """The best candidates of --choose, with why each lost to the first."""
-  from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.insight import planner  # pylint: disable=g-import-not-at-top
   best = candidates[0]
   tie = min(c['step_time_s'] for c in candidates) * (1 + planner.TIE_FRACTION)
 

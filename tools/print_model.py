@@ -21,7 +21,8 @@ import sys
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe import binaries
+from lingvo_gpipe.foundation import errors
+from lingvo_gpipe.runners import binaries
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', 'lm.synthetic.GPipeTransformerLmBig',
@@ -37,7 +38,7 @@ flags.DEFINE_integer('width', 256, 'Built-in stacks: width.')
 flags.DEFINE_integer('hidden', 1024, 'Built-in stacks: feed-forward hidden width.')
 flags.DEFINE_integer('rows', 64, 'Built-in stacks: batch rows (sequences for the Transformer).')
 flags.DEFINE_integer('seq_len', 64, 'Built-in Transformer: sequence length.')
-flags.DEFINE_string('remat_policy', 'none', 'Built-in stacks: cell_remat_policy (core/remat.py).')
+flags.DEFINE_string('remat_policy', 'none', 'Built-in stacks: cell_remat_policy (lingvo_gpipe/layers/remat.py).')
 flags.DEFINE_boolean('json', False, 'Also print the layers and stages as JSON, after the tables.')
 bench_utils.DefineOutputPath('json_out', None, 'Also write that JSON to this file.')
 bench_utils.RefuseBuiltInSizes(
@@ -47,7 +48,7 @@ flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.
 
 def _BuiltIn(tf):
   """(params text, pipeline params, batch spec) of a built-in stack."""
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import gpipe  # pylint: disable=g-import-not-at-top
   layer_params, shape = bench_utils.LayerParams(bench_utils.FlagsConfig(FLAGS))
   cells = gpipe.PartitionSequentialLayers(layer_params, FLAGS.stages, tf.TensorShape(shape))
   pipe = gpipe.PipeliningLayer.Params().Set(name=FLAGS.model, cell_tpl=cells,
@@ -58,14 +59,14 @@ def _BuiltIn(tf):
 
 def _Registered():
   """(model params, their pipelines) of a registry key with overrides and a balance plan."""
-  from lingvo_gpipe import base_runner  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import pipeline_params  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.runners import base_runner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import pipeline_params  # pylint: disable=g-import-not-at-top
   try:
     params = base_runner.LoadModelParams(FLAGS.model, 'Train', FLAGS.model_params_override)
     if FLAGS.balance_file:
       base_runner.ApplyBalanceFile(params, FLAGS.balance_file, FLAGS.model_params_override,
                                    base_runner.InputBatchSize(params))
-  except base_runner.UserError as e:
+  except errors.UserError as e:
     sys.exit(f'print_model: error: {e}')
   return params, [p for _, p in pipeline_params.Find(params.task)]
 
@@ -85,11 +86,11 @@ def _Bytes(tf, specs):
 
 def Inspect(tf, pipe, spec, batch_size, source):
   """Layer rows, stage rows and the planner.Plan of one pipeline (see the module docstring)."""
-  from lingvo_gpipe.core import pipeline_params  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import profiler  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import pipeline_params  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.insight import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.layers import profiler  # pylint: disable=g-import-not-at-top
   layer_params, ends = pipeline_params.LayersAndEnds(pipe)
-  from lingvo_gpipe.core import microbatch  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import microbatch  # pylint: disable=g-import-not-at-top
   num_micro = microbatch.NumMicroBatches(batch_size, pipe.num_micro_batches,
                                          pipe.micro_batch_size, pipe.num_replicas)
   replica_rows = -(-batch_size // pipe.num_replicas)  # The largest replica's part.
@@ -121,7 +122,7 @@ def Inspect(tf, pipe, spec, batch_size, source):
 
 def _Placement(pipe, plan):
   """The device of each cell, as the pipeline's schedule places them."""
-  from lingvo_gpipe.core import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
   v = pipe.virtual_stages
   return list(schedule_lib.Orders(pipe.schedule, plan.num_stages // v, plan.num_micro_batches,
                                   v)[1])
@@ -129,7 +130,7 @@ def _Placement(pipe, plan):
 
 def _Bubble(pipe, plan):
   """The simulator's bubble of the pipeline's schedule with the plan's cell costs."""
-  from lingvo_gpipe.core import simulator  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.insight import simulator  # pylint: disable=g-import-not-at-top
   if pipe.virtual_stages == 1:
     return plan.Predict().bubble_fraction
   forward, backward = plan.StageCosts()

@@ -27,9 +27,9 @@ import time
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe import binaries
-from lingvo_gpipe.core import schedule as schedule_lib
-from lingvo_gpipe.core import simulator
+from lingvo_gpipe.insight import simulator
+from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.runners import binaries
 
 FLAGS = flags.FLAGS
 bench_utils.DefineCounts('stages', ['4', '64', '1024'], 'K values (ignored with --plan).')
@@ -80,7 +80,7 @@ def _Plan():
   if not FLAGS.plan:
     return None
   binaries.QuietTensorFlow()  # The planner imports TensorFlow, whose start-up logs.
-  from lingvo_gpipe.core import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.insight import planner  # pylint: disable=g-import-not-at-top
   try:
     return planner.LoadPlan(FLAGS.plan)
   except ValueError as e:
@@ -149,7 +149,7 @@ def main(argv):
                          f'{prediction.bubble_fraction:.4f} in {seconds:.2f} s')
     if FLAGS.trace_out and i == 1:
       binaries.QuietTensorFlow()  # As the planner, pipeline_stats imports TensorFlow.
-      from lingvo_gpipe.core import pipeline_stats  # pylint: disable=g-import-not-at-top
+      from lingvo_gpipe.insight import pipeline_stats  # pylint: disable=g-import-not-at-top
       pipeline_stats.WriteChromeTrace(FLAGS.trace_out,
                                       pipeline_stats.Timeline.FromPrediction(prediction))
   table = bench_utils.MarkdownTable(results, [

@@ -28,8 +28,8 @@ import time
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe import binaries
-from lingvo_gpipe.core import schedule as schedule_lib
+from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.runners import binaries
 
 FLAGS = flags.FLAGS
 bench_utils.DefineCounts('stages', ['2', '4', '8'], 'K values (empty: no step configurations).')
@@ -60,10 +60,10 @@ def _RunOne(config):
   k, m, sched = config['stages'], config['micro_batches'], config['schedule']
   v = bench_utils.VIRTUAL_STAGES.get(sched, 1)
   tf = bench_utils.SetUpDevices(k)
-  from lingvo_gpipe.core import cell_functions  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import gpipe  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import py_utils  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.core import steady_state  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import cell_functions  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import gpipe  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.foundation import py_utils  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import steady_state  # pylint: disable=g-import-not-at-top
   layer_params, shape = bench_utils.LayerParams(dict(config, model='mlp', rows=2 * m))
   cells = gpipe.PartitionSequentialLayers(layer_params, k * v, tf.TensorShape(shape))
   pipe = gpipe.PipeliningLayer.Params().Set(
@@ -119,7 +119,7 @@ def _TrainerStart(model, micro_batches):
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     started = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, '-m', 'lingvo_gpipe.trainer', f'--model={model}', f'--logdir={logdir}',
+        [sys.executable, '-m', 'lingvo_gpipe.runners.trainer', f'--model={model}', f'--logdir={logdir}',
          '--max_steps=1', '--logtostderr', *overrides], capture_output=True, text=True, timeout=FLAGS.timeout,
         check=False)
     wall = time.perf_counter() - started

@@ -27,8 +27,8 @@ import os
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe import binaries
-from lingvo_gpipe.core import schedule as schedule_lib
+from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.runners import binaries
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('model', 'transformer', "'mlp', 'transformer' or a registry key (e.g. "
@@ -70,7 +70,7 @@ def _RunOne(config):
                   bubble_theory=summary['theoretical_bubble'],
                   measured_step_s=summary['step_time'], devices=summary['devices'])
     if config['trace_dir']:
-      from lingvo_gpipe.core import pipeline_stats  # pylint: disable=g-import-not-at-top
+      from lingvo_gpipe.insight import pipeline_stats  # pylint: disable=g-import-not-at-top
       pipeline_stats.WriteChromeTrace(
           os.path.join(config['trace_dir'],
                        f"trace_K{config['stages']}_M{config['micro_batches']}.json"),

@@ -1,9 +1,9 @@
 """Residual conv nets on synthetic images (input_generators.SyntheticImageInput)."""
 
-from lingvo_gpipe import input_generators
-from lingvo_gpipe import model_registry
-from lingvo_gpipe import tasks
-from lingvo_gpipe.core import layers_with_gpipe
+from lingvo_gpipe.inputs import input_generators
+from lingvo_gpipe.models import layers_with_gpipe
+from lingvo_gpipe.models import model_registry
+from lingvo_gpipe.models import tasks
 from lingvo_gpipe.params.lm import synthetic
 
 

@@ -4,11 +4,11 @@ Each example is `bos source sep target eos`, the target a fixed function of a
 random source, so the loss on the target falls as the model learns the task.
 """
 
-from lingvo_gpipe import base_model_params
-from lingvo_gpipe import input_generators
-from lingvo_gpipe import model_registry
-from lingvo_gpipe import tasks
-from lingvo_gpipe.core import layers_with_gpipe
+from lingvo_gpipe.inputs import input_generators
+from lingvo_gpipe.models import base_model_params
+from lingvo_gpipe.models import layers_with_gpipe
+from lingvo_gpipe.models import model_registry
+from lingvo_gpipe.models import tasks
 
 
 def TransformerStackParams(vocab_size, max_seq_len, model_dim, num_heads, hidden_dim,

@@ -1,9 +1,9 @@
 """Byte-level Transformer language model of a text file (input_generators.TextLmInput)."""
 
-from lingvo_gpipe import base_model_params
-from lingvo_gpipe import input_generators
-from lingvo_gpipe import model_registry
-from lingvo_gpipe import tasks
+from lingvo_gpipe.inputs import input_generators
+from lingvo_gpipe.models import base_model_params
+from lingvo_gpipe.models import model_registry
+from lingvo_gpipe.models import tasks
 from lingvo_gpipe.params.lm import synthetic
 
 

@@ -1,8 +1,8 @@
 """Transformer encoder-decoders on synthetic translation (input_generators.SyntheticSeq2SeqInput)."""
 
-from lingvo_gpipe import input_generators
-from lingvo_gpipe import model_registry
-from lingvo_gpipe import tasks
+from lingvo_gpipe.inputs import input_generators
+from lingvo_gpipe.models import model_registry
+from lingvo_gpipe.models import tasks
 from lingvo_gpipe.params.lm import synthetic
 
 

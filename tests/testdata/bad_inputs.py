@@ -15,8 +15,8 @@ import sys
 import tempfile
 import traceback
 
-from lingvo_gpipe import binaries
-from lingvo_gpipe import trainer
+from lingvo_gpipe.runners import binaries
+from lingvo_gpipe.runners import trainer
 
 import tensorflow as tf  # pylint: disable=g-bad-import-order
 

@@ -19,9 +19,9 @@ from absl import flags
 import numpy as np
 import tensorflow as tf
 
-from lingvo_gpipe import cluster as cluster_lib
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import layers
+from lingvo_gpipe import layers
+from lingvo_gpipe.distribution import cluster as cluster_lib
+from lingvo_gpipe.pipeline import gpipe
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workers', None, "The cluster's workers as Lingvo's cluster spec.")

@@ -9,13 +9,13 @@ starting TensorFlow.
 
 import tensorflow as tf
 
-from lingvo_gpipe import base_input_generator
-from lingvo_gpipe import base_model
-from lingvo_gpipe import base_model_params
-from lingvo_gpipe import model_registry
-from lingvo_gpipe.core import gpipe
-from lingvo_gpipe.core import layers
-from lingvo_gpipe.core import py_utils
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.inputs import base_input_generator
+from lingvo_gpipe.models import base_model
+from lingvo_gpipe.models import base_model_params
+from lingvo_gpipe.models import model_registry
+from lingvo_gpipe.pipeline import gpipe
 
 
 class RegressionInput(base_input_generator.BaseInputGenerator):

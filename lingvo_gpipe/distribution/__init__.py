@@ -1,0 +1,1 @@
+"""Several processes: cluster specs, tf.distribute.Server workers and their health."""

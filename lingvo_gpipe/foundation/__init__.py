@@ -1,0 +1,2 @@
+"""Params, NestedMap, the base layer and what every other package may use: errors, devices,
+memory statistics, log filtering."""

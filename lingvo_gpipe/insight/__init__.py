@@ -1,0 +1,2 @@
+"""Measuring and planning a pipeline: per-action timelines, the simulator and the balance
+planner."""

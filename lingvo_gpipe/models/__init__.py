@@ -1,0 +1,2 @@
+"""Models and tasks: the base model and task contract, the registry of params classes, GPipe
+layer stacks and decoding."""

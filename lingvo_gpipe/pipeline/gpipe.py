@@ -1,0 +1,627 @@
+"""GPipe: cells on devices, micro-batches, re-materialization, exact gradients.
+
+A PipeliningLayer cuts a network into cells (chunks) on K devices and a batch
+into M micro-batches. One micro-batch's path through a training step:
+
+  1. split: the batch is cut along `batch_dim` (microbatch.Split), into parts that
+     differ by a row if M does not divide it, sized at run time if its size is
+     unknown at trace time;
+  2. forward F(m, c): chunk c runs on its device; only its input, the boundary
+     activation, is kept (with remat) and handed to chunk c+1;
+  3. loss L(m): on the last chunk's device, per micro-batch or, for fill-drain,
+     once for the whole batch;
+  4. backward: chunk c re-runs its forward on the kept input under a local tape
+     and takes the gradients of its input (B) and weights (W), fused (BW) or
+     split so that W can fill the pipeline's bubbles;
+  5. accumulation: each weight gradient is added in place to the chunk's
+     running sum (cell_functions.GradientSum) as soon as the backward makes it, so
+     beside the sum about one layer's fresh gradient exists, not a second sum;
+  6. reassembly: outputs and input gradients are concatenated back.
+
+Which action runs when is data (schedule.py: print(pipe.GetSchedule(batch)));
+executor.py runs the actions in that order. With `num_replicas` R, R copies
+of the pass each take 1/R of the batch and their weight gradients are summed.
+
+The backward pass is written out rather than left to the tape because the
+tape sums a weight's M gradients only once all exist (the peak grows with M);
+re-materialization is therefore an explicit recompute-then-differentiate of
+each chunk, the same idea as tf.recompute_grad with the accumulation in our hands.
+"""
+
+from absl import logging
+import tensorflow as tf
+
+from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import base_layer
+from lingvo_gpipe.foundation import devices as devices_lib
+from lingvo_gpipe.foundation import hyperparams
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.layers import profiler
+from lingvo_gpipe.layers import remat as remat_lib
+from lingvo_gpipe.pipeline import cell_functions
+from lingvo_gpipe.pipeline import executor
+from lingvo_gpipe.pipeline import loss_probe
+from lingvo_gpipe.pipeline import metrics as metrics_lib
+from lingvo_gpipe.pipeline import microbatch
+from lingvo_gpipe.pipeline import partition
+from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import step_timing
+
+REMAT_MODES = ('always', 'except_last', 'never')
+
+
+def _CastFloats(structure, dtype):
+  return tf.nest.map_structure(
+      lambda x: tf.cast(x, dtype) if py_utils.IsFloatTensor(x) and x.dtype != dtype else x,
+      structure)
+
+
+class FeatureExtractionLayer(layers.SequentialLayer):
+  """A pipeline cell: layers run in order, some of whose outputs are exported.
+
+  Transparent (base_layer): a cell only says where the cut falls, so its layers
+  are named as the pipeline's ('pipe/layer3/w' in any cell), and a model cut
+  otherwise has the same variables, initial values, dropout masks and checkpoint.
+  """
+
+  TRANSPARENT = True
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('act_fetch_layers', [],
+             'Names of sub-layers whose outputs the pipeline also returns.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    names = [layer.params.name for layer in self.sub]
+    unknown = [n for n in self.params.act_fetch_layers if n not in names]
+    if unknown:
+      raise ValueError(f'{self.path}: act_fetch_layers {unknown} are not sub-layers {names}.')
+
+  def FPropWithActivations(self, theta, *args):
+    """(outputs, NestedMap of the act_fetch_layers' outputs)."""
+    return self.FPropAndOutputs(theta, args, self.params.act_fetch_layers)
+
+
+def _SplitBackwards(sched):
+  """(micro-batch, chunk) pairs whose backward the schedule splits into B and W."""
+  return {(s.action.micro_batch, s.action.chunk) for s in sched.steps
+          if s.action.kind == schedule_lib.WEIGHT_GRAD}
+
+
+class PipeliningLayer(base_layer.BaseLayer):
+  """Runs cells on devices as a pipeline of micro-batches (GPipe).
+
+  Example:
+    cells = gpipe.PartitionSequentialLayers(layer_params, 4, tf.TensorShape([64, 256]))
+    p = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells,
+                                            num_micro_batches=8)
+    pipe = p.Instantiate()
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(pipe(x) ** 2)
+    grads = tape.gradient(loss, pipe.trainable_variables)
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('cell_tpl', [], 'Cell params, one per stage, run in order.')
+    p.Define('before_tpl', [], 'Layer params run on the first device before pipelining.')
+    p.Define('num_micro_batches', 1, 'M: micro-batches per batch.')
+    p.Define('micro_batch_size', None, 'Rows per micro-batch; if set, M = batch / this.')
+    p.Define('batch_dim', 0, 'The batch dimension of every input and output tensor.')
+    p.Define('devices', None,
+             'Device names, one per stage (a device, holding virtual_stages cells) of each '
+             'replica, replica-major: K x num_replicas; None takes the local or cluster '
+             'devices.')
+    p.Define('allow_device_reuse', False,
+             'Place cells round-robin when there are fewer devices than cells.')
+    p.Define('remat', 'always',
+             "Re-materialization: 'always', 'except_last' (the last micro-batch keeps its "
+             "activations) or 'never'. A backward split into B and W (zero-bubble schedules) "
+             "recomputes its chunk in B whatever this says: its forward keeps only its input.")
+    p.Define('cell_remat_policy', remat_lib.NONE,
+             "Re-materialization inside each cell (lingvo_gpipe/layers/remat.py), set as each cell's "
+             "remat_policy: 'none', 'every_layer', 'every_N' (e.g. 'every_2'), or layer names "
+             "joined by '+' whose outputs are kept (a cell holding none is one segment).")
+    p.Define('schedule', 'gpipe',
+             f'One of {list(schedule_lib.SCHEDULE_NAMES)}: fill-drain (also under a tape), '
+             '1F1B, interleaved 1F1B, zero-bubble H1/H2 and V (ForwardBackward); or your own '
+             'orders for this K, M and v as a schedule text (schedule.Schedule.ToText).')
+    p.Define('virtual_stages', 1,
+             'v chunks per device: cell_tpl holds K * v cells for K devices '
+             "(interleaved_1f1b: any v; zbv: 2; other schedules: 1).")
+    p.Define('num_replicas', 1,
+             'R data-parallel copies of the pipeline, each on 1/R of the batch; `devices` then '
+             'lists R x K devices, replica r stage k at devices[r * K + k].')
+    p.Define('loop_steady_state', False,
+             "Run a traced schedule's steady state (its stretch that repeats for micro-batch "
+             'after micro-batch: lingvo_gpipe/pipeline/steady_state.py) as one tf.while_loop, so that tracing '
+             'and graph optimization do not grow with M (the actions and their order stay the '
+             "schedule's). At K=8, M=64 it starts 1F1B 2.2x faster and steps 10-25% slower, "
+             'zero-bubble schedules 1.5x slower (docs/startup_measured.md): for short runs and '
+             "large M. Needs equal micro-batches; forwards kept on a tape (remat 'never') stay "
+             'unrolled.')
+    p.Define('jit_compile', False,
+             "Compile each cell's forward and backward step with XLA (placement and the "
+             "pipeline between the steps stay outside the compiled functions); needs remat="
+             "'always'. The split B and W steps of zero-bubble schedules run uncompiled.")
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if not isinstance(p.cell_tpl, (list, tuple)) or not all(
+        isinstance(c, hyperparams.InstantiableParams) for c in p.cell_tpl):
+      raise ValueError(f'PipeliningLayer {self.path!r}: cell_tpl must be a list of layer '
+                       f'params, one per stage; got {type(p.cell_tpl).__name__}.')
+    if not p.cell_tpl:
+      raise ValueError(f'PipeliningLayer {self.path!r}: cell_tpl is empty; give one cell '
+                       'params per stage.')
+    if p.remat not in REMAT_MODES:
+      raise ValueError(f'Unknown remat {p.remat!r}; expected one of {list(REMAT_MODES)}.')
+    if not isinstance(p.loop_steady_state, bool):
+      raise ValueError(f'loop_steady_state must be True or False, got {p.loop_steady_state!r}.')
+    if p.jit_compile and p.remat != 'always':
+      raise ValueError(f"jit_compile=True needs remat='always', got remat={p.remat!r}: a "
+                       'forward kept for its backward runs on a gradient tape, uncompiled.')
+    if self.NumStagesOf(p) == 1 and p.virtual_stages > 1 and p.schedule == 'interleaved_1f1b':
+      logging.warning('%s: interleaved_1f1b with virtual_stages=%d of %d cells runs on one '
+                      'device, where interleaving does nothing: give virtual_stages x K cells '
+                      'for K >= 2 devices.', p.name, p.virtual_stages, len(p.cell_tpl))
+    if p.micro_batch_size is not None and p.num_micro_batches != 1:
+      raise ValueError(f'Set num_micro_batches ({p.num_micro_batches}) or micro_batch_size '
+                       f'({p.micro_batch_size}), not both: leave num_micro_batches at 1.')
+    # A bad schedule, chunks per device or M fails here, not at the first batch; the
+    # schedule places the chunks on the devices. Built and checked once per M (zbv at
+    # K=8, M=64 takes half a second), here and then as batches need them.
+    self._schedules = {}
+    self._placement = self._Schedule(None if p.micro_batch_size else p.num_micro_batches
+                                     ).placement
+    if not isinstance(p.num_replicas, int) or p.num_replicas < 1:
+      raise ValueError(f'num_replicas must be a positive int, got {p.num_replicas!r}.')
+    self._devices = devices_lib.StageDevices(self.num_stages, p.devices, p.allow_device_reuse,
+                                             p.num_replicas)
+    self.CreateChildren('before', p.before_tpl, devices=[self._devices[0]] * len(p.before_tpl))
+    self.CreateChildren('cell', remat_lib.PolicyCells(p.cell_tpl, p.cell_remat_policy, self.path),
+                        devices=self.ReplicaDevices(0))
+    self._cell_functions = [[cell_functions.CellFunctions(self, c, device, r) for c, device in
+                             enumerate(self.ReplicaDevices(r))] for r in range(p.num_replicas)]
+    self._clocks = step_timing.DeviceClocks(self._devices[:self.num_stages], self.path)
+    self._loss_verdicts = loss_probe.LossVerdicts()  # A loss is probed once per signature.
+
+  @property
+  def devices(self):
+    """The device of each stage (replica-major with several replicas)."""
+    return list(self._devices)
+
+  @property
+  def placement(self):
+    """The stage (device index) of each chunk."""
+    return list(self._placement)
+
+  @property
+  def cell_functions(self):
+    """Per replica and chunk, the chunk's forward and backward functions."""
+    return self._cell_functions
+
+  @property
+  def num_replicas(self):
+    return self.params.num_replicas
+
+  def ReplicaDevices(self, replica):
+    """The device of each chunk of one replica (replica 0's hold the weights)."""
+    stages = self._devices[replica * self.num_stages:(replica + 1) * self.num_stages]
+    return [stages[k] for k in self._placement]
+
+  def ReplicaThetas(self, thetas, replica):
+    """Replica 0's per-chunk thetas, copied onto another replica's devices."""
+    if replica == 0:
+      return thetas
+    copies = []
+    for theta, device in zip(thetas, self.ReplicaDevices(replica)):
+      with tf.device(device):
+        copies.append(tf.nest.map_structure(tf.identity, theta))
+    return copies
+
+  @property
+  def num_stages(self):
+    """K: the devices of one replica."""
+    return self.NumStagesOf(self.params)
+
+  @property
+  def num_chunks(self):
+    """K * v: the cells."""
+    return len(self.params.cell_tpl)
+
+  # -- the params API (lingvo_gpipe/pipeline/pipeline_params.py): how these params hold the layers ------
+
+  @classmethod
+  def NumStagesOf(cls, p):
+    """K (devices) of pipeline params `p`, without building anything."""
+    return cls._StagesOf(p, len(p.cell_tpl))
+
+  @staticmethod
+  def _StagesOf(p, num_cells):
+    """K of `num_cells` cells, virtual_stages of them on each device."""
+    v = p.virtual_stages
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1 or num_cells % v:
+      raise ValueError(f'{p.name}: virtual_stages={v!r} must be a positive int dividing the '
+                       f'{num_cells} cells.')
+    return num_cells // v
+
+  @classmethod
+  def LayersAndEnds(cls, p):
+    """(layer params in the order they run, ascending end index of each stage).
+
+    FeatureExtractionLayer cells hold the layers; other cells are one layer each.
+    """
+    if all(issubclass(c.cls, FeatureExtractionLayer) for c in p.cell_tpl):
+      sizes = [len(c.sub) for c in p.cell_tpl]
+      return ([q for c in p.cell_tpl for q in c.sub],
+              [sum(sizes[:k + 1]) for k in range(len(sizes))])
+    return list(p.cell_tpl), list(range(1, len(p.cell_tpl) + 1))
+
+  @classmethod
+  def Recut(cls, p, ends):
+    """Cuts pipeline params `p` (in place) into the stages ending at `ends`."""
+    if not all(issubclass(c.cls, FeatureExtractionLayer) for c in p.cell_tpl):
+      raise ValueError(f'{p.name}: cannot re-cut cells that are not FeatureExtractionLayers.')
+    layer_params, _ = cls.LayersAndEnds(p)
+    partition.CheckEnds(ends, len(layer_params), p.name)
+    if len(ends) % p.virtual_stages:
+      raise ValueError(f'{p.name}: {len(ends)} cells do not make virtual_stages='
+                       f'{p.virtual_stages} chunks on each device.')
+    fetched = [name for c in p.cell_tpl for name in c.act_fetch_layers]
+    p.cell_tpl = CellsFromEnds(layer_params, ends, fetched)
+
+  @classmethod
+  def GluedLayers(cls, p):
+    """Indices of layers that must share a stage with the layer before them."""
+    del p  # Any cut of a plain pipeline works.
+    return []
+
+  @classmethod
+  def InputSpec(cls, p):
+    """TensorSpecs of one example's input (batch 1), or None if the params do not say."""
+    del p  # A plain pipeline's input is whatever its caller gives.
+    return None
+
+  @classmethod
+  def TieLayers(cls, p, layer_list):
+    """Shares weights among layers built from LayersAndEnds, as the pipeline itself does."""
+    del p, layer_list  # Nothing is shared in a plain pipeline.
+
+  def NumMicroBatches(self, batch_size):
+    """M of each replica for a whole batch of `batch_size` rows (None: unknown at trace time).
+
+    M need not divide the rows: micro-batches then differ by a row. A batch of
+    fewer rows than M x replicas (a last partial batch, one example served)
+    leaves micro-batches empty: they run on no rows and add nothing.
+    """
+    p = self.params
+    return microbatch.NumMicroBatches(batch_size, p.num_micro_batches, p.micro_batch_size,
+                                      p.num_replicas, allow_empty=True)
+
+  def GetSchedule(self, batch_size):
+    """The schedule a batch of `batch_size` runs; print it to see it."""
+    return self._Schedule(self.NumMicroBatches(batch_size))
+
+  def _Schedule(self, num_micro_batches):
+    """The checked schedule at M = num_micro_batches (None: M not known yet, not kept)."""
+    p = self.params
+    sched = self._schedules.get(num_micro_batches)
+    if sched is None:
+      try:
+        sched = schedule_lib.ForPipeline(p.schedule, self.num_stages, num_micro_batches,
+                                         p.virtual_stages)
+      except ValueError as e:
+        if p.micro_batch_size is None or num_micro_batches is None:
+          raise
+        raise ValueError(f"{str(e).rstrip('.')} (M = the rows of each replica's batch / "
+                         f'micro_batch_size={p.micro_batch_size}).') from None
+      if num_micro_batches is not None:
+        self._schedules[num_micro_batches] = sched
+    return sched
+
+  def _HandOverDType(self, c):
+    """The dtype of chunk c's floating outputs: the fprop_dtype of the layer that reads them
+    (the next cell's first), or after the last cell of the one that made them, so that a
+    layer's own dtype (a float32 Keras layer under a mixed policy) holds across cuts."""
+    last = c + 1 == len(self.cell)
+    layer = self.cell[c if last else c + 1]
+    while isinstance(layer, layers.SequentialLayer) and layer.sub:
+      layer = layer.sub[-1 if last else 0]
+    return layer.fprop_dtype
+
+  def CellFProp(self, c, theta, args):
+    """Chunk c's (output argument tuple, fetched activations), floats in _HandOverDType."""
+    cell = self.cell[c]
+    try:
+      if isinstance(cell, FeatureExtractionLayer):
+        out, acts = cell.FPropWithActivations(theta, *args)
+      else:
+        out, acts = cell.FProp(theta, *args), py_utils.NestedMap()
+    except (ValueError, TypeError, tf.errors.InvalidArgumentError) as e:
+      shapes = [getattr(x, 'shape', x) for x in tf.nest.flatten(args)]
+      source = f'the output of cell {c - 1}' if c else 'the pipeline input'
+      raise ValueError(f'Pipeline cell {c} ({cell.path}) failed on {source} (shapes '
+                       f'{shapes}): {e}') from e
+    return _CastFloats(executor.AsArgs(out), self._HandOverDType(c)), acts
+
+  # -- public entry points --------------------------------------------------------
+
+  # The pipeline is plain Python run at trace time: AutoGraph converting it (when a
+  # caller's tf.function has autograph on) only costs time, ~25 s at K=4, M=32.
+  @tf.autograph.experimental.do_not_convert
+  def FProp(self, theta, *inputs):
+    """Pipelined forward; differentiable (fill-drain backward) with tf.GradientTape.
+
+    Returns the whole batch's outputs, and, if any cell fetches activations,
+    (outputs, NestedMap of activations).
+    """
+    args = self._Before(theta, inputs)
+    training = py_utils.CurrentContext().training
+    _, num = self._MicroBatching(args)
+    thetas = self._ChunkThetas(theta)
+    if training:
+      outputs, acts = self._DifferentiablePipeline(thetas, args, num)
+    else:
+      run = executor.Replicas(self, thetas, args, num, remat='always', step=0,
+                              keep_inputs=False, tracer=self._Tracer())
+      run.Execute([s.action for s in self._Schedule(num).steps
+                   if s.action.kind == schedule_lib.FORWARD])
+      outputs, acts = run.MergedOutputs()
+    return self._Result(outputs, acts)
+
+  @tf.autograph.experimental.do_not_convert
+  def ForwardBackward(self, theta, inputs, loss_fn, labels=None, with_outputs=False):
+    """(loss, grads) of loss_fn(outputs) by the configured schedule.
+
+    Args:
+      theta: this layer's theta.
+      inputs: a tensor, NestedMap, or tuple of them (the cells' arguments).
+      loss_fn: maps the outputs (and, if cells fetch activations, the NestedMap
+        of activations as a second argument) to the loss: a scalar, a Lingvo
+        (value, weight) pair (value is a mean over weight items), or a NestedMap
+        of such metrics holding 'loss'. 'gpipe' calls it once on the whole
+        batch; the other schedules call it on each micro-batch as soon as it
+        leaves the last chunk, so the loss must decompose, and every schedule
+        gives the same loss and gradients: (value, weight) pairs merge as
+        sum(value * weight) / sum(weight); a bare scalar must be the sum or the
+        mean of its micro-batch values (weighted by their rows when M does not
+        divide the batch), which a probe on random outputs tells, else it is
+        refused (loss_probe.MicroBatchLoss, also for losses reading step tensors).
+      labels: None, or tensors batched like the inputs (a structure, e.g. targets
+        and example weights) that loss_fn takes as its last argument: a
+        micro-batch's loss gets the rows of its own outputs, split as the inputs are.
+      with_outputs: also return the whole batch's outputs (as FProp's), e.g. for
+        metrics; the schedule keeps them until the pass ends anyway.
+
+    Returns:
+      (loss, grads), grads a NestedMap shaped like theta; if loss_fn returns a
+      NestedMap, the first value is the NestedMap of merged (value, weight). With
+      with_outputs, (loss, grads, outputs).
+    """
+    args, before_tape = self._BeforeWithTape(theta, executor.AsArgs(inputs))
+    rows, num = self._MicroBatching(args)
+    microbatch.CheckLabels(labels, rows, self.params.batch_dim)
+    sched = self._Schedule(num)
+    # Only `before` layers take the gradients of the cells' arguments.
+    run = executor.Replicas(self, self._ChunkThetas(theta), args, num, self.params.remat,
+                            self._Step(), split=_SplitBackwards(sched), tracer=self._Tracer(),
+                            need_input_grads=before_tape is not None,
+                            keep_outputs=with_outputs or sched.whole_batch_loss)
+    loss_scale = py_utils.CurrentContext().loss_scale
+    micro_loss_fn = None if sched.whole_batch_loss else loss_probe.MicroBatchLoss(
+        loss_fn, num * self.num_replicas, rows, self.params.batch_dim,
+        schedule_lib.Name(self.params.schedule), self._loss_verdicts)
+
+    def OnLoss(one, m):
+      if one is None:  # L(*): the whole batch's loss, once over every replica.
+        outputs, acts = run.MergedOutputs()
+        batch_metrics, d_outputs, d_acts = self._LossGradients(loss_fn, loss_scale, outputs,
+                                                               acts, labels)
+        run.SetOutputGradients(d_outputs, d_acts)
+      else:
+        outputs, acts = one.MicroBatchOutputs(m)
+        rows = None if labels is None else one.MicroBatchRows(*label_parts[one.replica], m)
+        batch_metrics, d_outputs, d_acts = self._LossGradients(micro_loss_fn, loss_scale,
+                                                               outputs, acts, rows)
+        one.SetMicroBatchOutputGradients(m, d_outputs, d_acts)
+      # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
+      return batch_metrics
+
+    with tf.device(self.ReplicaDevices(0)[-1]):
+      label_parts = None if labels is None or sched.whole_batch_loss else self._SplitLabels(
+          labels, num)
+      run.Execute([s.action for s in sched.steps], OnLoss)
+    base_layer.ApplyRecordedUpdates(run.updates)
+    metrics = run.losses
+    merged = metrics_lib.MergeMetrics([m for m, _ in metrics])
+    # The backward differentiated value * weight (* loss_scale) of each call: divide by the
+    # total weight (and the scale).
+    weight = merged.loss[1]
+    scale = 1.0 / (weight if loss_scale is None else weight * tf.cast(loss_scale, weight.dtype))
+    grads = py_utils.NestedMap(
+        before=theta.before if before_tape is None else self._BeforeGradients(
+            theta, before_tape, args, run.MergedInputGradients()),
+        cell=run.theta_grads).Transform(lambda g: g * tf.cast(scale, g.dtype))
+    loss = merged if metrics[0][1] else merged.loss[0]
+    return (loss, grads, self._Result(*run.MergedOutputs())) if with_outputs else (loss, grads)
+
+  # -- internals -------------------------------------------------------------------
+
+  def _MicroBatching(self, args):
+    """(the whole batch's rows (an int, or a tensor if unknown at trace time), M)."""
+    rows = microbatch.BatchSize(args, self.params.batch_dim)
+    return rows, self.NumMicroBatches(rows if isinstance(rows, int) else None)
+
+  def _Tracer(self):
+    """A StepTracer when the context collects step timings, else None."""
+    records = py_utils.CurrentContext().step_stats
+    return None if records is None else step_timing.StepTracer(records, self._clocks)
+
+  def _Step(self):
+    """This training pass's step (BaseLayer.TrainingStep), read once for all its cells."""
+    with tf.device(self._devices[0]):
+      return tf.cast(self.TrainingStep(), tf.int64)
+
+  def _Result(self, outputs, acts):
+    """Unwraps a single output from its argument tuple; appends fetched activations."""
+    if isinstance(outputs, tuple) and len(outputs) == 1:
+      outputs = outputs[0]
+    return (outputs, acts) if acts else outputs
+
+  def _ChunkThetas(self, theta):
+    """Each chunk's theta as tensors read on that chunk's device."""
+    thetas = []
+    for c, device in enumerate(self.ReplicaDevices(0)):
+      with tf.device(device):
+        thetas.append(tf.nest.map_structure(tf.convert_to_tensor, theta.cell[c]))
+    return thetas
+
+  def _Before(self, theta, inputs):
+    args = tuple(inputs)
+    with tf.device(self._devices[0]):
+      for layer, layer_theta in zip(self.before, theta.before):
+        args = executor.AsArgs(layer.FProp(layer_theta, *args))
+    return args
+
+  def _BeforeWithTape(self, theta, args):
+    if not self.before:
+      return args, None
+    tape = tf.GradientTape(watch_accessed_variables=False)
+    with tape:
+      tape.watch([x for x in tf.nest.flatten(theta.before) if py_utils.IsFloatTensor(x)])
+      args = self._Before(theta, args)
+    return args, tape
+
+  def _BeforeGradients(self, theta, tape, args, d_args):
+    pairs = [(a, g) for a, g in zip(tf.nest.flatten(args), tf.nest.flatten(d_args))
+             if g is not None]
+    with tf.device(self._devices[0]):
+      grads = tape.gradient([a for a, _ in pairs], tf.nest.flatten(theta.before),
+                            output_gradients=[g for _, g in pairs],
+                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return tf.nest.pack_sequence_as(theta.before, grads)
+
+  def _SplitLabels(self, labels, num):
+    """Per replica, (its rows of `labels`, their micro-batches): split as executor.Replicas
+    splits the inputs (replicas first, then micro-batches)."""
+    batch_dim = self.params.batch_dim
+    parts = microbatch.Split(labels, self.num_replicas, batch_dim) if (
+        self.num_replicas > 1) else [labels]
+    return [(part, microbatch.Split(part, num, batch_dim)) for part in parts]
+
+  def _LossGradients(self, loss_fn, loss_scale, outputs, acts, labels=None):
+    """loss_fn's metrics and the gradients of value * weight (* loss_scale, unless None) of
+    their loss: 0 for a weight of 0, also where the value is NaN (a mean over no items: an
+    empty micro-batch, or one whose rows all weigh 0), as a whole batch holding them would
+    have it."""
+    floats = [x for x in tf.nest.flatten((outputs, acts)) if py_utils.IsFloatTensor(x)]
+    with tf.GradientTape() as tape:
+      tape.watch(floats)
+      result = self._Result(outputs, acts)
+      args = result if acts else (result,)
+      value = loss_fn(*args) if labels is None else loss_fn(*args, labels)
+      metrics = metrics_lib.AsMetrics(value)
+      loss, weight = metrics.loss
+      weighted = loss * tf.stop_gradient(weight)
+      if loss_scale is not None:
+        weighted *= tf.cast(loss_scale, weighted.dtype)
+    loss_probe.RefuseWeightsRead(self, tape.watched_variables())
+    grads = tape.gradient(weighted, floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    weighs = tf.not_equal(weight, 0)
+    grads = iter(tf.where(weighs, g, tf.zeros_like(g)) for g in map(tf.convert_to_tensor, grads))
+    d_outputs, d_acts = tf.nest.map_structure(
+        lambda x: next(grads) if py_utils.IsFloatTensor(x) else None, (outputs, acts))
+    return (metrics, isinstance(value, dict)), d_outputs, d_acts
+
+  def _DifferentiablePipeline(self, thetas, args, num):
+    """The training forward, with the pipelined backward as its custom gradient: the
+    schedule's actions before its whole-batch loss L(*), then, in the gradient, after it."""
+    sched = self._Schedule(num)
+    if not sched.whole_batch_loss:
+      raise ValueError(f"FProp in training (the context's training=True, the default) runs "
+                       f"fill-drain ('gpipe'); schedule="
+                       f"{schedule_lib.Name(self.params.schedule)!r} trains through "
+                       "ForwardBackward, and runs FProp's forwards in py_utils.EvalMode().")
+    actions = [s.action for s in sched.steps]
+    loss_at = next(i for i, a in enumerate(actions) if a.kind == schedule_lib.LOSS)
+    step = self._Step()
+    tracer = self._Tracer()
+    flat_theta, flat_args = tf.nest.flatten(thetas), tf.nest.flatten(args)
+    arg_pos = [i for i, x in enumerate(flat_args) if isinstance(x, tf.Tensor)]
+    box = {}
+
+    @tf.custom_gradient
+    def Pipeline(*tensors):
+      # stop_gradient: the caller's tape must not record (and keep) cell internals.
+      stopped = [tf.stop_gradient(x) for x in tensors]
+      run_args = py_utils.Replaced(flat_args, arg_pos, stopped[len(flat_theta):])
+      run = executor.Replicas(self, tf.nest.pack_sequence_as(thetas, stopped[:len(flat_theta)]),
+                              tf.nest.pack_sequence_as(args, run_args), num, self.params.remat,
+                              step, split=_SplitBackwards(sched), tracer=tracer)
+      run.Execute(actions[:loss_at])
+      structure = run.MergedOutputs()
+      flat_out = tf.nest.flatten(structure)
+      out_pos = [i for i, x in enumerate(flat_out) if isinstance(x, tf.Tensor)]
+      box.update(run=run, structure=structure, flat_out=flat_out, out_pos=out_pos)
+
+      def Grad(*d_tensors):
+        d_out = tf.nest.pack_sequence_as(
+            structure, py_utils.Replaced([None] * len(flat_out), out_pos, d_tensors))
+        run.SetOutputGradients(*d_out)
+        run.Execute(actions[loss_at + 1:])
+        d_args = tf.nest.flatten(run.MergedInputGradients())
+        return tf.nest.flatten(run.theta_grads) + [d_args[i] for i in arg_pos]
+
+      return [flat_out[i] for i in out_pos], Grad
+
+    out_tensors = Pipeline(*flat_theta, *[flat_args[i] for i in arg_pos])
+    base_layer.ApplyRecordedUpdates(box['run'].updates)
+    flat_out = py_utils.Replaced(box['flat_out'], box['out_pos'], out_tensors)
+    return tf.nest.pack_sequence_as(box['structure'], flat_out)
+
+
+# -- partitioning ------------------------------------------------------------------
+
+
+def PartitionSequentialLayers(layer_params_list, num_partitions, input_shape, cost='auto'):
+  """Cuts a layer list into `num_partitions` balanced FeatureExtractionLayer params.
+
+  Args:
+    layer_params_list: layer params, run in order.
+    num_partitions: K, the number of stages.
+    input_shape: the first layer's input tf.TensorShape (or TensorSpec), or a
+      list of them for several inputs, or a NestedMap of them for one NestedMap.
+    cost: 'auto' (FLOPs if every layer has FPropMeta, else parameter count),
+      'flops', 'params', 'time' (profile each layer forward+backward once), or a
+      list of per-layer numbers.
+
+  Returns:
+    K FeatureExtractionLayer params named cell0..cell{K-1}.
+  """
+  named = profiler.Named(layer_params_list)
+  costs = list(cost) if isinstance(cost, (list, tuple)) else profiler.LayerCosts(
+      named, input_shape, cost)
+  if len(costs) != len(named):
+    raise ValueError(f'Got {len(costs)} costs for {len(named)} layers.')
+  return CellsFromEnds(named, partition.Balance(costs, num_partitions))
+
+
+def CellsFromEnds(layer_params_list, ends, act_fetch_layers=()):
+  """FeatureExtractionLayer params cell0.. holding layers [ends[k-1], ends[k]).
+
+  act_fetch_layers: names of layers whose outputs are fetched, in whichever cell.
+  """
+  cells = []
+  for k, (a, b) in enumerate(zip([0] + list(ends[:-1]), ends)):
+    sub = layer_params_list[a:b]
+    cells.append(FeatureExtractionLayer.Params().Set(
+        name=f'cell{k}', sub=sub,
+        act_fetch_layers=[q.name for q in sub if q.name in act_fetch_layers]))
+  return cells

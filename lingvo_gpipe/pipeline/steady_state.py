@@ -1,0 +1,288 @@
+"""Where a schedule repeats itself: the stretches a pipelined pass runs as one loop.
+
+A schedule's steady state does the same actions over and over, each time for
+micro-batches `stride` further on: 1F1B's is one forward and one backward per
+stage. Traced one call op per action, a pass at K=8, M=64 is a thousand calls,
+each taking every weight of its chunk as an input: tracing, Grappler and
+placement then cost seconds per hundred calls. Run as a tf.while_loop over one
+period, the calls are traced once, whatever M. The actions, their order on
+each device and their inputs stay the schedule's (executor.Pass runs the
+period's actions with the micro-batch of each iteration).
+"""
+
+import copy
+import dataclasses
+
+import tensorflow as tf
+
+from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.pipeline import schedule as schedule_lib
+
+MIN_REPEATS = 3  # Fewer repeats save less than a loop's set-up costs.
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+  """Actions [start, start + period * repeats) of a list: the period's actions, repeated
+  with every micro-batch `stride` further on each time."""
+  start: int
+  period: int
+  repeats: int
+  stride: int
+
+  @property
+  def end(self):
+    return self.start + self.period * self.repeats
+
+
+def _Repeats(a, b, stride, same):
+  """Whether action b is action a for the micro-batch `stride` further on."""
+  return (a.kind == b.kind and a.chunk == b.chunk and
+          a.micro_batch != schedule_lib.ALL and b.micro_batch == a.micro_batch + stride and
+          same(a, b))
+
+
+def _LongestRun(actions, start, period, stride, same):
+  """(first index, repeats) of the longest periodic stretch from `start` on."""
+  best, run_start, run = (start, 0), start, 0
+  for j in range(start, len(actions) - period):
+    if _Repeats(actions[j], actions[j + period], stride, same):
+      run += 1
+      repeats = run // period + 1
+      if repeats > best[1]:
+        best = (run_start, repeats)
+    else:
+      run_start, run = j + 1, 0
+  return best
+
+
+def _Periods(actions, stride):
+  """Candidate periods: `stride` micro-batches' actions of some of the kinds (a phase of
+  forwards only, of forwards and backwards, with or without losses)."""
+  kinds = {}
+  for a in actions:
+    if a.micro_batch == 0:
+      kinds[a.kind] = kinds.get(a.kind, 0) + 1
+  counts = {0}
+  for count in kinds.values():
+    counts |= {c + count for c in counts}
+  return sorted(abs(stride) * c for c in counts if c)
+
+
+def Windows(actions, same=lambda a, b: True, max_stride=8):
+  """Non-overlapping Windows of `actions` (a schedule's, in the order they run), in order.
+
+  No window holds the first action of a kind and chunk (nor so the first loss):
+  what their traces make (gradient sums, the loss probe's verdict) is made once,
+  before. `same(a, b)` says whether two actions of one kind and chunk may share
+  one trace (their micro-batches are alike: size, re-materialized or not).
+  """
+  firsts = {}
+  for i, a in enumerate(actions):
+    firsts.setdefault((a.kind, a.chunk), i)
+
+  def Best(lo, hi):
+    best = None
+    for stride in [s for s in range(-max_stride, max_stride + 1) if s]:
+      for period in _Periods(actions, stride):
+        first, repeats = _LongestRun(actions[:hi], lo, period, stride, same)
+        end = first + period * repeats
+        # Start after the first action of each kind and chunk inside.
+        first = max([first] + [firsts[(a.kind, a.chunk)] + 1 for a in actions[first:end]])
+        repeats = (end - first) // period
+        if repeats >= MIN_REPEATS and (best is None or period * repeats > best.period *
+                                       best.repeats):
+          best = Window(first, period, repeats, stride)
+    return best
+
+  def Within(lo, hi):
+    best = Best(lo, hi)
+    return [] if best is None else Within(lo, best.start) + [best] + Within(best.end, hi)
+
+  return Within(0, len(actions))
+
+
+def LoopsIn(graph):
+  """How many windows a traced step's graph runs as loops."""
+  return sum(f.signature.name.startswith('__inference_steady_state_')
+             for f in graph.as_graph_def().library.function)
+
+
+# -- running a window as a loop ------------------------------------------------------------------
+
+# The Pass dicts that carry values from one action to a later one, keyed by (micro-batch,
+# chunk): what is in flight at a window's start goes round the loop as its variables.
+_CARRIED = ('inputs', 'out_grads', 'act_grads', 'pending_w', 'to_losses')
+
+
+class NotPeriodic(Exception):
+  """A period's actions left other values in flight than they found: no loop."""
+
+
+def _Shifted(values, by):
+  """`values` keyed by (micro-batch, chunk) or micro-batch, `by` micro-batches further."""
+  return {(key[0] + by, key[1]) if isinstance(key, tuple) else key + by: v
+          for key, v in values.items()}
+
+
+def _Carried(one, shift=0):
+  """What one Pass holds in flight, keyed by the iteration's first micro-batches (`shift`:
+  how far the keys are ahead of them)."""
+  state = {name: _Shifted(getattr(one, name), -shift) for name in _CARRIED}
+  state.update(tokens=list(one.tokens), earlier_tokens=list(one.earlier_tokens),
+               theta_grads=list(one.theta_grads))
+  return state
+
+
+def _SetCarried(one, state, shift=0):
+  for name in _CARRIED:
+    setattr(one, name, _Shifted(state[name], shift))
+  one.tokens, one.earlier_tokens = list(state['tokens']), list(state['earlier_tokens'])
+  one.theta_grads = list(state['theta_grads'])
+
+
+_TENSOR = object()  # Where _Split took a tensor out.
+
+
+def _Split(structure):
+  """(tensors, the other leaves) of a structure's leaves."""
+  leaves = tf.nest.flatten(structure)
+  return ([x for x in leaves if isinstance(x, tf.Tensor)],
+          [_TENSOR if isinstance(x, tf.Tensor) else x for x in leaves])
+
+
+def _Joined(structure, tensors, rest):
+  it = iter(tensors)
+  return tf.nest.pack_sequence_as(structure, [next(it) if x is _TENSOR else x for x in rest])
+
+
+def _Marks(one):
+  """What one Pass has left for after the pass so far (for _LeftSince)."""
+  return set(one.outputs), set(one.input_grads), len(one.losses)
+
+
+def _LeftSince(one, marks):
+  """(kind, key, value) of what the actions since `marks` left for after the pass (the last
+  chunk's outputs, the first chunk's input gradients, the losses), in order, taken out of
+  the Pass: a loop hands them out of its iterations in TensorArrays."""
+  outputs, input_grads, losses = marks
+  left = ([('outputs', m, one.outputs.pop(m)) for m in list(one.outputs) if m not in outputs] +
+          [('input_grads', m, one.input_grads.pop(m)) for m in list(one.input_grads)
+           if m not in input_grads] +
+          [('losses', None, loss) for loss in one.losses[losses:]])
+  del one.losses[losses:]
+  return left
+
+
+def RunLoop(one, period, repeats, stride, run):
+  """Runs the actions of `period` `repeats` times in one tf.while_loop, micro-batches
+  `stride` further each time; `run(action)` runs one (and an L its loss). The Pass's
+  dicts end as if the actions had run one by one. NotPeriodic, the Pass as it was, if they
+  cannot."""
+  if one.updates or any(one.acts.values()):
+    raise NotPeriodic('the cells record layer statistics or fetch activations')
+  one.CloseTokens()
+  saved = {name: copy.copy(value) for name, value in vars(one).items()
+           if isinstance(value, (dict, list, set))}
+  try:
+    _Loop(one, period, repeats, stride, run)
+  except NotPeriodic:
+    vars(one).update(saved)
+    raise
+
+
+def _Loop(one, period, repeats, stride, run):
+  # Micro-batches not yet in the pipe are no loop variables: the window's first forwards
+  # take theirs from the batch, by the iteration.
+  waiting = {key: one.inputs.pop(key) for key in list(one.inputs)
+             if key[1] == 0 and key[0] not in one.released}
+  entering = {a.micro_batch + r * stride for a in period for r in range(repeats)
+              if a.kind == schedule_lib.FORWARD and a.chunk == 0}
+  start = _Carried(one)
+  tensors, rest = _Split(start)
+  specs = _LeftSpecs(one, period)
+  left = []  # (kind, key, value, its other leaves) of what the period left, as traced.
+  acts_before = set(one.acts)
+  acts = {}  # The period's forwards' fetched activations: none (RunLoop), each iteration.
+
+  def Body(i, loop_tensors, arrays):
+    del left[:]
+    _SetCarried(one, _Joined(start, loop_tensors, rest))
+    marks = _Marks(one)
+    one.loop = (i, stride)
+    try:
+      for a in period:
+        run(a)
+    finally:
+      one.loop = None
+    one.CloseTokens()
+    acts.update({key: one.acts[key] for key in set(one.acts) - acts_before})
+    end = _Carried(one, shift=stride)
+    try:
+      tf.nest.assert_same_structure(start, end)
+    except (ValueError, TypeError) as e:
+      raise NotPeriodic(str(e)) from None
+    end_tensors, end_rest = _Split(end)
+    if end_rest != rest:
+      raise NotPeriodic('other Python values in flight')
+    flat = []
+    for kind, key, value in _LeftSince(one, marks):
+      value_tensors, value_rest = _Split(value)
+      left.append((kind, key, value, value_rest))
+      flat += value_tensors
+    if [(x.dtype, x.shape) for x in flat] != specs:
+      raise NotPeriodic('other values left for after the pass')
+    return i + 1, end_tensors, [array.write(i, x) for array, x in zip(arrays, flat)]
+
+  # Without automatic control dependencies: in a tf.function they make every value an
+  # iteration hands on wait for all of its stateful ops (the calls), so no iteration would
+  # start before the last ended; each device's order is the actions' own tokens. Not
+  # inlined: inlined, such a function has no control outputs, and what was ordered after
+  # its call no longer was (the weight gradients came out different in 1 to 27 of 30 steps).
+  @py_utils.DistinctFunction(autograph=False, name='steady_state',
+                             experimental_attributes={'_disable_acd': True, '_noinline': True})
+  def Loop(tensors):
+    arrays = [tf.TensorArray(dtype, size=repeats, element_shape=shape)
+              for dtype, shape in specs]
+    _, out_tensors, arrays = tf.while_loop(
+        lambda i, *_: i < repeats, Body, (tf.constant(0), tensors, arrays),
+        parallel_iterations=2 * len(one.devices) + 2)
+    return out_tensors, [[array.read(r) for r in range(repeats)] for array in arrays]
+
+  out_tensors, reads = Loop(tensors)
+  _SetCarried(one, _Joined(start, out_tensors, rest), shift=repeats * stride)
+  _PutBack(one, left, reads, repeats, stride)
+  one.inputs.update({key: x for key, x in waiting.items() if key[0] not in entering})
+  one.acts.update({(m + r * stride, c): value for (m, c), value in acts.items()
+                   for r in range(repeats)})
+  one.released |= entering
+
+
+def _LeftSpecs(one, period):
+  """(dtype, shape) of each tensor a period leaves for after the pass (in _LeftSince's
+  order), from values of the same kind that actions before the window left."""
+  outputs, input_grads, losses = [], [], []
+  for a in period:
+    if a.kind == schedule_lib.FORWARD and a.chunk == one.num_chunks - 1 and one.keep_outputs:
+      outputs.append(next(iter(one.outputs.values())))
+    elif a.kind in (schedule_lib.BACKWARD, schedule_lib.INPUT_GRAD) and a.chunk == 0:
+      input_grads.append(next(iter(one.input_grads.values())))
+    elif a.kind == schedule_lib.LOSS:
+      losses.append(one.losses[-1])
+  return [(x.dtype, x.shape) for value in outputs + input_grads + losses
+          for x in _Split(value)[0]]
+
+
+def _PutBack(one, left, reads, repeats, stride):
+  """Puts what each iteration left (reads: per TensorArray, per iteration) where the actions
+  one by one would have."""
+  losses = []
+  for r in range(repeats):
+    it = iter(reads)
+    for kind, key, value, value_rest in left:
+      value = _Joined(value, [next(it)[r] for _ in _Split(value)[0]], value_rest)
+      if kind == 'losses':
+        losses.append(value)
+      else:
+        getattr(one, kind)[key + r * stride] = value
+  one.losses += losses
