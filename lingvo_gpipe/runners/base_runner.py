@@ -170,7 +170,7 @@ _SCALAR_METADATA = tf.compat.v1.SummaryMetadata(
 
 def WriteScalars(writer, step, scalars):
   """Writes TensorBoard scalars name -> value at `step`."""
-  with Writing('TensorBoard summaries'), writer.as_default(step=step):
+  with errors.Writing('TensorBoard summaries'), writer.as_default(step=step):
     for name, value in scalars.items():
       tf.summary.write(name, tf.cast(value, tf.float32), metadata=_SCALAR_METADATA)
     writer.flush()
