@@ -143,7 +143,7 @@ def testTfConfigGivesTheClusterAndTaskUnlessFlagsDo(monkeypatch):
   assert _ClusterConfig('--job=worker', '--task=0').task == 0
   assert _ClusterConfig('--job=worker', '--cluster_spec=worker=h:9').spec == {'worker': ['h:9']}
   assert _ClusterConfig('--job=controller,trainer').spec == {}  # Local training ignores it.
-  with pytest.raises(trainer.errors.UserError,
+  with pytest.raises(errors.UserError,
                      match=re.escape('--worker_replicas must be >= 1, got 0.')):
     _ClusterConfig('--job=trainer_client', '--worker_replicas=0')
 
