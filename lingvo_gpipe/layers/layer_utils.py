@@ -2,7 +2,6 @@
 tail, float32 normalization, and FPropMeta arithmetic (FLOPs and output shapes), which the
 partitioner balances stages with (a multiply-add counts 2; elementwise work is an estimate)."""
 
-
 import tensorflow as tf
 
 from lingvo_gpipe.foundation import py_utils
