@@ -44,6 +44,7 @@ from lingvo_gpipe.pipeline import loss_probe
 from lingvo_gpipe.pipeline import metrics as metrics_lib
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import partition
+from lingvo_gpipe.pipeline import replicas
 from lingvo_gpipe.pipeline import schedule as schedule_lib
 from lingvo_gpipe.pipeline import step_timing
 
@@ -369,7 +370,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     if training:
       outputs, acts = self._DifferentiablePipeline(thetas, args, num)
     else:
-      run = executor.Replicas(self, thetas, args, num, remat='always', step=0,
+      run = replicas.Replicas(self, thetas, args, num, remat='always', step=0,
                               keep_inputs=False, tracer=self._Tracer())
       run.Execute([s.action for s in self._Schedule(num).steps
                    if s.action.kind == schedule_lib.FORWARD])
@@ -410,7 +411,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     microbatch.CheckLabels(labels, rows, self.params.batch_dim)
     sched = self._Schedule(num)
     # Only `before` layers take the gradients of the cells' arguments.
-    run = executor.Replicas(self, self._ChunkThetas(theta), args, num, self.params.remat,
+    run = replicas.Replicas(self, self._ChunkThetas(theta), args, num, self.params.remat,
                             self._Step(), split=_SplitBackwards(sched), tracer=self._Tracer(),
                             need_input_grads=before_tape is not None,
                             keep_outputs=with_outputs or sched.whole_batch_loss)
@@ -562,7 +563,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       # stop_gradient: the caller's tape must not record (and keep) cell internals.
       stopped = [tf.stop_gradient(x) for x in tensors]
       run_args = py_utils.Replaced(flat_args, arg_pos, stopped[len(flat_theta):])
-      run = executor.Replicas(self, tf.nest.pack_sequence_as(thetas, stopped[:len(flat_theta)]),
+      run = replicas.Replicas(self, tf.nest.pack_sequence_as(thetas, stopped[:len(flat_theta)]),
                               tf.nest.pack_sequence_as(args, run_args), num, self.params.remat,
                               step, split=_SplitBackwards(sched), tracer=tracer)
       run.Execute(actions[:loss_at])
