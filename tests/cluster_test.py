@@ -25,6 +25,7 @@ from lingvo_gpipe.distribution import cluster as cluster_lib
 from lingvo_gpipe.foundation import devices as devices_lib
 from lingvo_gpipe.foundation import errors
 from lingvo_gpipe.pipeline import pipeline_params
+from lingvo_gpipe.runners import local_devices
 from lingvo_gpipe.runners import trainer
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -169,7 +170,7 @@ def testWorkerReplicasAndSplitSizeReachTheModelsPipelines(monkeypatch):
   params = trainer.base_runner.LoadModelParams('lm.synthetic.GPipeTransformerLmTiny', 'Train')
   stack = params.task.stack
   stages = pipeline_params.MaxStages(params.task)
-  trainer.PlacePipelines(params.task, split_size=3, replicas=2)
+  local_devices.PlacePipelines(params.task, split_size=3, replicas=2)
   assert stack.num_replicas == 2
   assert stack.devices == names[:stages] + names[3:3 + stages]
 

@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe import layers
+from lingvo_gpipe.insight import balance_plan
 from lingvo_gpipe.insight import planner
 from lingvo_gpipe.insight import simulator
 from lingvo_gpipe.layers import profiler
@@ -239,7 +240,7 @@ def testSaveLoadAndPrediction(tmp_path):
                           source='test', remat_policy='every_2')
   path = str(tmp_path / 'plan.json')
   plan.Save(path)
-  loaded = planner.LoadPlan(path)
+  loaded = balance_plan.LoadPlan(path)
   assert loaded == plan
   forward, backward = plan.StageCosts()
   expected = simulator.Simulate(simulator.Orders('1f1b', 3, 4), forward, backward)
@@ -248,12 +249,12 @@ def testSaveLoadAndPrediction(tmp_path):
       expected.bubble_fraction)
   older = plan.ToJson()
   del older['remat_policy']  # A plan saved before remat policies: none.
-  assert planner.Plan.FromJson(older).remat_policy == 'none'
+  assert balance_plan.Plan.FromJson(older).remat_policy == 'none'
   (tmp_path / 'bad.json').write_text('{"format": "other"}')
   with pytest.raises(ValueError, match="Not a balance plan: format 'other'"):
-    planner.LoadPlan(str(tmp_path / 'bad.json'))
+    balance_plan.LoadPlan(str(tmp_path / 'bad.json'))
   with pytest.raises(ValueError, match='Cannot read the balance plan'):
-    planner.LoadPlan(str(tmp_path / 'missing.json'))
+    balance_plan.LoadPlan(str(tmp_path / 'missing.json'))
 
 
 def _StackParams():
@@ -265,16 +266,16 @@ def _StackParams():
 
 
 def _PlanFor(names, ends):
-  return planner.Plan(source='test', ends=ends, num_micro_batches=2, schedule='gpipe',
-                      remat='always', optimizer_slots=2,
-                      layers=[profiler.LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names])
+  return balance_plan.Plan(source='test', ends=ends, num_micro_batches=2, schedule='gpipe',
+                           remat='always', optimizer_slots=2,
+                           layers=[profiler.LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names])
 
 
 def testApplyPlanToAStackAndToCells():
   p = _StackParams().Set(num_micro_batches=4, schedule='1f1b')
   names = ['tgt_emb', 'dec0', 'dec1', 'dec2', 'softmax']
   # The plan's M, schedule and remat are applied and reported.
-  assert planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack') == [
+  assert balance_plan.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack') == [
       "task.stack.num_micro_batches=2 (was 4)", "task.stack.schedule='gpipe' (was '1f1b')"]
   assert (p.num_micro_batches, p.schedule) == (2, 'gpipe')
   stack = p.Instantiate()
@@ -285,16 +286,17 @@ def testApplyPlanToAStackAndToCells():
       [layers.ProjectionLayer.Params().Set(name=f'p{i}', input_dim=4, output_dim=4)
        for i in range(4)], [2, 4])
   pipe = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells, num_micro_batches=2)
-  assert planner.ApplyPlan(pipe, _PlanFor(['p0', 'p1', 'p2', 'p3'], [1, 3, 4])) == []
+  assert balance_plan.ApplyPlan(pipe, _PlanFor(['p0', 'p1', 'p2', 'p3'], [1, 3, 4])) == []
   assert [[q.name for q in c.sub] for c in pipe.cell_tpl] == [['p0'], ['p1', 'p2'], ['p3']]
   plan = _PlanFor(['p0', 'p1', 'p2', 'p3'], [4])
   plan.remat_policy = 'every_2'
-  assert planner.ApplyPlan(pipe, plan, 'pipe') == ["pipe.cell_remat_policy='every_2' (was 'none')"]
+  assert balance_plan.ApplyPlan(pipe, plan, 'pipe') == [
+      "pipe.cell_remat_policy='every_2' (was 'none')"]
   assert [c.params.remat_policy for c in pipe.Instantiate().cell] == ['every_2']
   with pytest.raises(ValueError, match=r"is for layers \['a', 'b'\], but pipe has"):
-    planner.ApplyPlan(pipe, _PlanFor(['a', 'b'], [1, 2]))
+    balance_plan.ApplyPlan(pipe, _PlanFor(['a', 'b'], [1, 2]))
   with pytest.raises(ValueError, match='no PipeliningLayer'):
-    planner.ApplyPlan(layers.ProjectionLayer.Params(), _PlanFor(['a'], [1]))
+    balance_plan.ApplyPlan(layers.ProjectionLayer.Params(), _PlanFor(['a'], [1]))
 
 
 def testApplyPlanRefusesToChangeWhatTheUserSet():
@@ -304,35 +306,35 @@ def testApplyPlanRefusesToChangeWhatTheUserSet():
   p = _StackParams().Set(num_micro_batches=4, schedule='gpipe')
   with pytest.raises(ValueError, match=r"task.stack.num_micro_batches is set to 4, but the "
                      r"balance plan of test was made for 2"):
-    planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack',
+    balance_plan.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack',
                       fixed=['task.stack.num_micro_batches'])
   assert p.num_micro_batches == 4
   fixed = ['task.stack.schedule', 'task.stack.model_dim']
-  assert planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=fixed) == [
+  assert balance_plan.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=fixed) == [
       'task.stack.num_micro_batches=2 (was 4)']
   # A micro_batch_size giving the plan's M for the batch (16 rows of 8: M=2) stays; for 32
   # rows (M=4) it is refused.
   fixed = ['task.stack.micro_batch_size']
   p.Set(micro_batch_size=8, num_micro_batches=1)
-  assert planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=fixed,
+  assert balance_plan.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=fixed,
                            batch_size=16) == []
   assert (p.micro_batch_size, p.num_micro_batches) == (8, 1)
   with pytest.raises(ValueError, match=r'task.stack.micro_batch_size is set to 8 \(M=4 for 32 '
                      r'rows\), but the balance plan of test was made for num_micro_batches=2'):
-    planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=fixed, batch_size=32)
+    balance_plan.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=fixed, batch_size=32)
   # A cut the user set: refused unless it is the plan's.
   p.Set(splits=[2, 5], micro_batch_size=None, num_micro_batches=2)
   with pytest.raises(ValueError, match=r'task.stack.splits cuts the layers at \[2, 5\], but the '
                      r'balance plan of test cuts them at \[1, 3, 5\]: drop one'):
-    planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=['task.stack.splits'])
+    balance_plan.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=['task.stack.splits'])
   assert p.splits == [2, 5]
-  planner.ApplyPlan(p, _PlanFor(names, [2, 5]), 'task.stack', fixed=['task.stack.splits'])
+  balance_plan.ApplyPlan(p, _PlanFor(names, [2, 5]), 'task.stack', fixed=['task.stack.splits'])
   p.splits = 3  # A stage count: a plan of 3 stages keeps it; one of 2 does not.
-  planner.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=['task.stack.splits'])
+  balance_plan.ApplyPlan(p, _PlanFor(names, [1, 3, 5]), 'task.stack', fixed=['task.stack.splits'])
   p.splits = 3
   with pytest.raises(ValueError, match=r'task.stack.splits cuts the layers into 3 stages, but '
                      r'the balance plan of test cuts them at \[2, 5\]'):
-    planner.ApplyPlan(p, _PlanFor(names, [2, 5]), 'task.stack', fixed=['task.stack.splits'])
+    balance_plan.ApplyPlan(p, _PlanFor(names, [2, 5]), 'task.stack', fixed=['task.stack.splits'])
 
 
 
@@ -341,7 +343,7 @@ def testApplyPlanRunsItsScheduleOnOneChunkPerDevice():
   virtual_stages 1."""
   p = _StackParams().Set(splits=[1, 2, 3, 5], schedule='zbv', virtual_stages=2)
   names = ['tgt_emb', 'dec0', 'dec1', 'dec2', 'softmax']
-  assert planner.ApplyPlan(p, _PlanFor(names, [2, 5]), 'task.stack')[:2] == [
+  assert balance_plan.ApplyPlan(p, _PlanFor(names, [2, 5]), 'task.stack')[:2] == [
       'task.stack.virtual_stages=1 (was 2)', "task.stack.schedule='gpipe' (was 'zbv')"]
   assert (p.virtual_stages, p.splits) == (1, [2, 5])
   assert len(p.Instantiate().cell) == 2
@@ -352,9 +354,9 @@ def testAnEvalerTakesTheTrainersPlanAndMicroBatchSize(tmp_path):
   batch (8 rows) would give another M."""
   names = ['tgt_emb', 'dec0', 'dec1', 'dec2', 'dec3', 'softmax']
   path = str(tmp_path / 'plan.json')
-  planner.Plan(source='byte', ends=[3, 6], num_micro_batches=4, schedule='gpipe',
-               remat='always', optimizer_slots=2,
-               layers=[profiler.LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names]).Save(path)
+  balance_plan.Plan(source='byte', ends=[3, 6], num_micro_batches=4, schedule='gpipe',
+                    remat='always', optimizer_slots=2,
+                    layers=[profiler.LayerProfile(n, 1.0, 1.0, 0, 0, 0) for n in names]).Save(path)
   for job in ('controller,trainer', 'evaler_dev'):
     proc = subprocess.run(
         [sys.executable, '-m', 'lingvo_gpipe.runners.trainer', '--mode=inspect_params',
@@ -401,7 +403,7 @@ def testStackProfilesGlueTheSoftmaxAndTheTrainerTakesThePlan(tmp_path):
                         text=True, check=False)
   assert proc.returncode == 1
   assert "trainer: error: --balance_file: The balance plan of" in proc.stderr
-  tiny = planner.Plan(
+  tiny = balance_plan.Plan(
       source='tiny', ends=[2, 4], num_micro_batches=2, schedule='gpipe', remat='always',
       optimizer_slots=2, layers=[profiler.LayerProfile(n, 1.0, 1.0, 0, 0, 0)
                                  for n in ['tgt_emb', 'dec0', 'dec1', 'softmax']])

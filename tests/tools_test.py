@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from lingvo_gpipe.insight import balance_plan
 from lingvo_gpipe.insight import planner
 from lingvo_gpipe.insight import simulator
 from lingvo_gpipe.layers import profiler
@@ -307,7 +308,7 @@ def testPrintModelPlacesTwoCellsPerDevice(tmp_path, sched, devices):
 
 def testPlanBalance(runs):
   plan_json, table, err = _Output(runs, 'plan_balance')
-  plan = planner.LoadPlan(os.path.join(runs['plan_balance'][1], 'plan.json'))
+  plan = balance_plan.LoadPlan(os.path.join(runs['plan_balance'][1], 'plan.json'))
   assert plan.ends == plan_json['ends'] and len(plan.ends) == 2 and plan.ends[-1] == 4
   assert [p.name for p in plan.layers] == [f'layer{i}' for i in range(4)]
   assert plan.remat_policy in ('none', 'every_layer') and '[4/4]' in err
@@ -341,7 +342,7 @@ def testPlanBalanceChoosesMScheduleAndRemat(tmp_path):
   head = '| M | schedule | remat | remat policy | predicted step ms |'
   rows = out.split(head)[1].strip().splitlines()[2:5]  # After the header's rest and ---.
   assert len(rows) == 3 and 'chosen: the fastest predicted step that fits' in rows[0], out
-  plan = planner.LoadPlan(str(tmp_path / 'plan.json'))
+  plan = balance_plan.LoadPlan(str(tmp_path / 'plan.json'))
   chosen = [c.strip() for c in rows[0].strip('|').split('|')]
   assert [str(plan.num_micro_batches), plan.schedule, plan.remat] == chosen[:3]
   assert 16 % plan.num_micro_batches == 0 and plan.schedule in planner.PLANNABLE_SCHEDULES
@@ -354,8 +355,9 @@ def _HandPlan(path, remat):
   layers = [profiler.LayerProfile(
       name=f'l{i}', forward_s=(i + 1) * 1e-3, backward_s=2 * (i + 1) * 1e-3, param_bytes=4096,
       input_bytes=2**20, activation_bytes=3 * 2**20) for i in range(4)]
-  planner.Plan(source='hand', layers=layers, ends=[2, 4], num_micro_batches=4, schedule='1f1b',
-               remat=remat, optimizer_slots=0, action_overhead_s=0.5e-3).Save(str(path))
+  balance_plan.Plan(source='hand', layers=layers, ends=[2, 4], num_micro_batches=4,
+                    schedule='1f1b', remat=remat, optimizer_slots=0,
+                    action_overhead_s=0.5e-3).Save(str(path))
 
 
 @pytest.mark.parametrize('remat', ['never', 'always'])

@@ -7,7 +7,7 @@ Each point runs in a fresh process whose GPU is split into K logical GPUs of --s
               unpipelined training of --exact_model with 8 decoder layers, 3 SGD steps);
               the largest relative difference of the losses and of the weights.
   memory      --model at each K of --stages: the planner's bytes per device (weights,
-              gradients, Adam's slots, activations; planner.Plan.StageMemory, its layers
+              gradients, Adam's slots, activations; balance_plan.Plan.StageMemory, its layers
               profiled on this device) against the allocator's peak per device during a
               training step, the model cut by that plan.
   bubble      --model at K=max(--stages), M=--micro_batches, each one-chunk schedule: the
@@ -130,6 +130,7 @@ def _Exact(config):
 
 def _Memory(tf, config):
   from lingvo_gpipe.foundation import devices  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.insight import balance_plan  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.insight import planner  # pylint: disable=g-import-not-at-top
   params = _Params(config, config['model'])
   pipe = params.task.stack
@@ -138,7 +139,7 @@ def _Memory(tf, config):
   plan = planner.MakePlan(profiles, config['stages'], pipe.num_micro_batches, pipe.schedule,
                           pipe.remat, optimizer_slots=2, glued=glued,
                           remat_policy=pipe.cell_remat_policy)
-  planner.ApplyPlan(params, plan)
+  balance_plan.ApplyPlan(params, plan)
   run, _ = _Training(tf, params)
   run(1)  # Trace; the slots and gradient sums exist from here on.
   topology = devices.Current()

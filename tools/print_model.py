@@ -85,9 +85,10 @@ def _Bytes(tf, specs):
 
 
 def Inspect(tf, pipe, spec, batch_size, source):
-  """Layer rows, stage rows and the planner.Plan of one pipeline (see the module docstring)."""
+  """Layer rows, stage rows and the balance_plan.Plan of one pipeline (see the module docstring)."""
   from lingvo_gpipe.pipeline import pipeline_params  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.insight import planner  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.insight import balance_plan  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.insight import stage_model  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.layers import profiler  # pylint: disable=g-import-not-at-top
   layer_params, ends = pipeline_params.LayersAndEnds(pipe)
   from lingvo_gpipe.pipeline import microbatch  # pylint: disable=g-import-not-at-top
@@ -111,12 +112,12 @@ def Inspect(tf, pipe, spec, batch_size, source):
     shapes = out
   # The planner plans one cell per device: with v cells per device it gives each cell's costs
   # (as a fill-drain plan of the cells), and _Bubble places the cells as the schedule does.
-  plan = planner.Plan(source=source, layers=profiles, ends=list(ends),
-                      num_micro_batches=num_micro,
-                      schedule=pipe.schedule if pipe.virtual_stages == 1 else 'gpipe',
-                      remat=planner.ModeledRemat(pipe.schedule, pipe.remat),
-                      optimizer_slots=FLAGS.optimizer_slots,
-                      remat_policy=pipe.cell_remat_policy)
+  plan = balance_plan.Plan(source=source, layers=profiles, ends=list(ends),
+                           num_micro_batches=num_micro,
+                           schedule=pipe.schedule if pipe.virtual_stages == 1 else 'gpipe',
+                           remat=stage_model.ModeledRemat(pipe.schedule, pipe.remat),
+                           optimizer_slots=FLAGS.optimizer_slots,
+                           remat_policy=pipe.cell_remat_policy)
   return rows, plan
 
 

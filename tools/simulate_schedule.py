@@ -79,10 +79,10 @@ def _CheckFlags():
 def _Plan():
   if not FLAGS.plan:
     return None
-  binaries.QuietTensorFlow()  # The planner imports TensorFlow, whose start-up logs.
-  from lingvo_gpipe.insight import planner  # pylint: disable=g-import-not-at-top
+  binaries.QuietTensorFlow()  # A balance plan imports TensorFlow, whose start-up logs.
+  from lingvo_gpipe.insight import balance_plan  # pylint: disable=g-import-not-at-top
   try:
-    return planner.LoadPlan(FLAGS.plan)
+    return balance_plan.LoadPlan(FLAGS.plan)
   except ValueError as e:
     sys.exit(f'simulate_schedule: error: {e}')
 
@@ -148,7 +148,7 @@ def main(argv):
     bench_utils.Progress(i, len(cases), f'{name} K={k} M={m}: bubble '
                          f'{prediction.bubble_fraction:.4f} in {seconds:.2f} s')
     if FLAGS.trace_out and i == 1:
-      binaries.QuietTensorFlow()  # As the planner, pipeline_stats imports TensorFlow.
+      binaries.QuietTensorFlow()  # As a balance plan, pipeline_stats imports TensorFlow.
       from lingvo_gpipe.insight import pipeline_stats  # pylint: disable=g-import-not-at-top
       pipeline_stats.WriteChromeTrace(FLAGS.trace_out,
                                       pipeline_stats.Timeline.FromPrediction(prediction))

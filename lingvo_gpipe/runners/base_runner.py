@@ -23,8 +23,8 @@ import tensorflow as tf
 
 from lingvo_gpipe.foundation import errors
 from lingvo_gpipe.foundation import hyperparams
+from lingvo_gpipe.insight import balance_plan
 from lingvo_gpipe.insight import pipeline_stats as pipeline_stats_lib
-from lingvo_gpipe.insight import planner
 from lingvo_gpipe.models import model_registry
 from lingvo_gpipe.pipeline import pipeline_params
 
@@ -115,9 +115,9 @@ def ApplyBalanceFile(model_params, path, override='', train_batch_size=None):
   """Cuts the task's pipelines by the balance plan at `path` (tools/plan_balance.py), with the
   M, schedule and remat it was made for; a UserError if `override` set another of them (a
   micro_batch_size is checked by the M it gives the training batch, `train_batch_size`).
-  Returns what it changed (planner.ApplyPlan's texts)."""
+  Returns what it changed (balance_plan.ApplyPlan's texts)."""
   try:
-    return planner.ApplyPlan(model_params.task, planner.LoadPlan(path), 'task',
+    return balance_plan.ApplyPlan(model_params.task, balance_plan.LoadPlan(path), 'task',
                              fixed=OverrideKeys(override), batch_size=train_batch_size)
   except ValueError as e:
     raise errors.UserError(f'--balance_file: {e}') from None

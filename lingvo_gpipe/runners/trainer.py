@@ -43,7 +43,6 @@ import math
 import os
 import signal
 import sys
-import time
 
 from lingvo_gpipe.foundation import errors
 from lingvo_gpipe.runners import binaries
@@ -53,20 +52,17 @@ binaries.QuietTensorFlow()  # Before TensorFlow is imported.
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 from absl import logging
-import tensorflow as tf
 
 from lingvo_gpipe.distribution import cluster as cluster_lib
 from lingvo_gpipe.foundation import devices as devices_lib
 from lingvo_gpipe.foundation import memory_stats
 from lingvo_gpipe.models import model_registry
-from lingvo_gpipe.pipeline import pipeline_params
-from lingvo_gpipe.pipeline import schedule as schedule_lib
 from lingvo_gpipe.runners import base_runner
 from lingvo_gpipe.runners import evaler
-from lingvo_gpipe.runners import jobs
+from lingvo_gpipe.runners import local_devices
 from lingvo_gpipe.runners import pipeline_check
+from lingvo_gpipe.runners import train_job
 from lingvo_gpipe.training import checkpoint_files
-from lingvo_gpipe.training import learner as learner_lib
 from lingvo_gpipe.training import preemption
 from lingvo_gpipe.training import run_lock
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -241,191 +237,14 @@ class ClusterConfig:
                FLAGS.worker_timeout_secs)
 
 
-def PlacePipelines(params, split_size, replicas):
-  """Puts every pipeline of `params` that names no devices on splits of the available devices.
-
-  Each gets `replicas` data-parallel replicas, replica r on split r of
-  split_size devices (cluster.PipelineDevices). Pipelines a task builds in
-  code (not from its params) take the available devices by themselves, but
-  cannot have replicas or a split size.
-  """
-  pipelines = [p for _, p in pipeline_params.Find(params)]
-  if not pipelines and (replicas > 1 or split_size):
-    raise errors.UserError(
-        '--worker_replicas and --worker_split_size apply to PipeliningLayer params, and the '
-        "task's params hold none (it builds its pipelines in code).")
-  for p in pipelines:
-    if p.devices is None:
-      p.devices = cluster_lib.PipelineDevices(pipeline_params.NumStages(p), replicas,
-                                              split_size)
-    p.num_replicas = replicas
-
-
-def ConfigureDevices(run_locally, num_devices):
-  """This process's devices from the flags (devices.ConfigureLocal), before TensorFlow's
-  first op; logs which it has."""
-  try:
-    gpus = None if FLAGS.gpus is None else [int(i) for i in FLAGS.gpus]
-  except ValueError:
-    raise errors.UserError(f'--gpus takes GPU indices, e.g. 0,1; got {FLAGS.gpus}.') from None
-  try:
-    configured = devices_lib.ConfigureLocal(run_locally, num_devices, FLAGS.gpu_memory_growth,
-                                            FLAGS.gpu_split_mb, gpus)
-  except ValueError as e:
-    raise errors.UserError(str(e)) from None
-  logging.info('Devices: %s.', configured)
-
-
 # -- jobs --------------------------------------------------------------------------------
-
-
-def _Describe(pipe):
-  """How a pipeline runs, in one line: its K, v and M come from several params."""
-  p = pipe.params
-  m = (f'M={p.num_micro_batches}' if p.micro_batch_size is None else
-       f'micro_batch_size={p.micro_batch_size}')
-  replicas = f' x {p.num_replicas} replicas' if p.num_replicas > 1 else ''
-  k = pipe.num_stages
-  stages = devices_lib.DescribeStages(pipe.devices[:k])
-  return (f'{pipe.path}: {pipe.num_chunks} cells on K={k} device{"s" if k > 1 else ""} '
-          f'(v={pipe.num_chunks // k}){replicas}, {m}, schedule '
-          f'{schedule_lib.Name(p.schedule)}, remat {p.remat}; {stages}')
-
-
-def _CheckBuiltPipelines(task, batch_size):
-  """UserError if a pipeline the task built in code (its params hold none, so
-  CheckPipelineBatches passed it) splits the training batch into empty micro-batches."""
-  if batch_size is None:
-    return
-  for pipe in jobs.Pipelines(task):
-    try:
-      pipeline_params.CheckBatch(pipe.params, batch_size, 'input.batch_size', pipe.path)
-    except ValueError as e:
-      raise errors.UserError(str(e)) from None
-
-
-def _TracedWork(task, batch_size):
-  """What tracing a step of the task builds, e.g. 'K=8, M=64, zb_h1, 1,600 actions' per
-  pipeline: each action is one call of a function traced once per chunk."""
-  parts = []
-  for pipe in jobs.Pipelines(task):
-    sched = pipe.GetSchedule(batch_size) if batch_size else None
-    actions = f', {len(sched.steps) * pipe.num_replicas:,} actions' if sched else ''
-    m = sched.num_micro_batches if sched else pipe.params.num_micro_batches
-    parts.append(f'K={pipe.num_stages}, M={m}, {schedule_lib.Name(pipe.params.schedule)}'
-                 f'{actions}')
-  return '; '.join(parts) or 'no pipeline'
-
-
-def _PipelineNames(task):
-  """({(replica, stage): device name}, schedule label) of the task's pipeline, for trace
-  tracks and logs; ({}, '') unless it has exactly one. The label is the configured
-  schedule's (schedule.Name): the records do not show where the loss runs, so read off
-  the actions a fill-drain text with per-micro-batch losses would pass for 'gpipe'."""
-  pipes = jobs.Pipelines(task)
-  if len(pipes) != 1:
-    return {}, ''
-  pipe, = pipes
-  k = pipe.num_stages
-  return ({(r, s): pipe.devices[r * k + s] for r in range(pipe.num_replicas) for s in range(k)},
-          schedule_lib.Name(pipe.params.schedule))
-
-
-def _PipelineStats(task, learner, forward_backward_fn, train_dir):
-  """base_runner.PipelineStats of --pipeline_stats_every, or None when it is 0."""
-  every = FLAGS.pipeline_stats_every
-  if not every:
-    return None
-  device_names, schedule = _PipelineNames(task)
-  return base_runner.PipelineStats(every, learner.BuildMeasuredStep(forward_backward_fn),
-                                   train_dir, device_names, schedule)
-
-
-def RunTrainer(model_params, logdir, input_device=None, stop=None):
-  """Trains to train.max_steps, resuming from the newest intact checkpoint of <logdir>/train.
-
-  Args:
-    model_params: the experiment's params.
-    logdir: checkpoints and summaries go to <logdir>/train.
-    input_device: None makes batches in this process. A cluster client gives
-      the first stage's host CPU: batches are made there, not sent from the
-      client each step, and ops the model leaves unplaced stay with their inputs.
-    stop: None, or a preemption.StopOnSignals: a signal ends training after the
-      current loop call with a checkpoint, and then raises preemption.Interrupted.
-  """
-  base_runner.CheckPipelineBatches(model_params)
-  t = model_params.train
-  settings = base_runner.LoopSettings(
-      max_steps=t.max_steps, steps_per_loop=FLAGS.steps_per_loop,
-      save_interval_steps=t.save_interval_steps, summary_interval_steps=t.summary_interval_steps,
-      log_interval_steps=t.log_interval_steps)
-  train_dir = os.path.join(logdir, 'train')
-  # What the params build is checked before anything is written.
-  with tf.device(input_device):
-    generator = base_runner.InputGenerator(model_params.input)
-  built = jobs.Instantiate(model_params, train_dir, with_learner=True,
-                          max_to_keep=FLAGS.checkpoint_max_to_keep)
-  _CheckBuiltPipelines(built[0], base_runner.InputBatchSize(model_params))
-  jobs.MakeWritableDir(train_dir)
-  with run_lock.RunLock(train_dir):
-    _Train(model_params, settings, built, generator, logdir, input_device, stop)
-
-
-def _Train(model_params, settings, built, generator, logdir, input_device, stop):
-  """RunTrainer's work, holding the lock of the train dir: `built` is jobs.Instantiate's."""
-  task, global_step, learner, checkpointer = built
-  train_dir = checkpointer.directory
-  checkpointer.Recover()
-  step = int(global_step.numpy())
-  if step >= settings.max_steps:
-    logging.info('Global step %d is at train.max_steps=%d already: nothing to train.', step,
-                 settings.max_steps)
-    return
-  with tf.device(input_device):
-    dataset = generator.Dataset(start_batch=step)
-    iterator = iter(dataset)
-
-  def ForwardBackward(batch):
-    theta = task.theta
-    with jobs.StepPlacement(input_device is not None):
-      metrics, grads = task.ForwardBackward(theta, batch)
-    return metrics, learner_lib.GradientsAndVariables(theta, grads)
-
-  batch_size = base_runner.BatchSize(dataset.element_spec)
-  for pipe in jobs.Pipelines(task):
-    logging.info('Pipeline %s.', _Describe(pipe))
-  started = time.perf_counter()
-  logging.info('Tracing the training step: %s ...', _TracedWork(task, batch_size))
-  try:
-    loop_fn = learner.BuildLoop(dataset.element_spec, ForwardBackward)
-  except ValueError as e:  # The model does not fit its input, e.g. from an override.
-    raise errors.UserError(f'Cannot build the training step: {e}') from None
-  logging.info('Traced the training step in %.1f s; its first run optimizes the graph.',
-               time.perf_counter() - started)
-  # Once the run can start (the params build, the checkpoints fit them, the input makes a
-  # dataset): where it ends, for an evaler (evaler._TrainersMaxSteps).
-  params_path = os.path.join(train_dir, 'params.txt')
-  with errors.Writing(params_path), tf.io.gfile.GFile(params_path, 'w') as f:
-    f.write(model_params.ToText())
-  writer = tf.summary.create_file_writer(train_dir)
-  logging.info('Training %s from step %d to train.max_steps=%d (--max_steps=N to change). '
-               'Checkpoints: %s; TensorBoard: tensorboard --logdir=%s', model_params.name, step,
-               settings.max_steps, train_dir, logdir)
-  step = base_runner.RunTraining(loop_fn, iterator, global_step, checkpointer, writer,
-                                 settings, batch_size,
-                                 _PipelineStats(task, learner, ForwardBackward, train_dir), stop)
-  if stop:
-    stop.Check(step, checkpointer.latest)
-  logging.info('Trained to step %d. Latest checkpoint: %s; TensorBoard: tensorboard --logdir=%s',
-               step, checkpointer.latest, logdir)
-
 
 
 def RunWorker(cluster):
   """Serves this process's devices as task cluster.task of the worker job, until killed."""
   if FLAGS.worker_memory_log_secs > 0:
     memory_stats.EnableStats()
-  ConfigureDevices(FLAGS.run_locally, 1)
+  local_devices.ConfigureDevices(_DeviceSettings(), 1)
   config = cluster_lib.ServerConfig(FLAGS.worker_intra_op_threads, FLAGS.worker_inter_op_threads)
   server = cluster_lib.StartServer(cluster.spec, cluster_lib.WORKER_JOB, cluster.task, config)
   if FLAGS.worker_memory_log_secs > 0:
@@ -444,9 +263,11 @@ def RunClusterClient(model_params, cluster, dataset_name):
 
   def Job():
     cluster_lib.Connect(cluster.spec, cluster.timeout_secs)
-    PlacePipelines(model_params.task, cluster.worker_split_size, cluster.worker_replicas)
+    local_devices.PlacePipelines(model_params.task, cluster.worker_split_size,
+                                 cluster.worker_replicas)
     if cluster.job == 'trainer_client':
-      RunTrainer(model_params, FLAGS.logdir, cluster_lib.InputDevice(), stop)
+      train_job.RunTrainer(model_params, FLAGS.logdir, _TrainSettings(),
+                           cluster_lib.InputDevice(), stop)
     else:
       evaler.Run(model_params, FLAGS.logdir, dataset_name, _EvalSettings(), on_cluster=True,
                  decode=_Decodes())
@@ -455,25 +276,6 @@ def RunClusterClient(model_params, cluster, dataset_name):
   with (preemption.StopOnSignals() if cluster.job == 'trainer_client' else
         contextlib.nullcontext()) as stop:
     cluster_lib.HealthMonitor(addresses, cluster.timeout_secs).Run(Job)
-
-
-def _SetUpLocalDevices(model_params, cluster):
-  """Logical devices for the pipelines of a local run, and their replicas' placement."""
-  try:
-    split_size = cluster.worker_split_size or pipeline_params.MaxStages(model_params.task) or 4
-    most = pipeline_params.MaxDevices(model_params.task)  # With a pipeline's num_replicas.
-  except ValueError as e:  # A bad config, e.g. from an override.
-    raise errors.UserError(f'Cannot build the task: {e}') from None
-  needed = max(cluster.worker_replicas * split_size, most)
-  given = FLAGS.num_cpu_devices
-  if given is not None and given < needed and not any(
-      p.allow_device_reuse or p.devices for _, p in pipeline_params.Find(model_params.task)):
-    raise errors.UserError(
-        f'--num_cpu_devices={given}, but the task\'s pipelines need {needed} devices: give at '
-        'least that many, or leave the flag out to make them.')
-  ConfigureDevices(FLAGS.run_locally, given or needed)
-  if cluster.worker_replicas > 1 or cluster.worker_split_size:
-    PlacePipelines(model_params.task, cluster.worker_split_size, cluster.worker_replicas)
 
 
 def _CheckPipeline(model_params, cluster):
@@ -566,13 +368,30 @@ def _Run():
     evaler.ExportDecoder(model_params, FLAGS.logdir, FLAGS.export_dir, FLAGS.model)
   elif FLAGS.job == 'controller,trainer':
     with preemption.StopOnSignals() as stop:
-      RunTrainer(model_params, FLAGS.logdir, stop=stop)
+      train_job.RunTrainer(model_params, FLAGS.logdir, _TrainSettings(), stop=stop)
   else:
     evaler.Run(model_params, FLAGS.logdir, dataset_name, _EvalSettings(), decode=_Decodes())
 
 
 def _Decodes():
   return FLAGS.job.startswith('decoder_')
+
+
+def _SetUpLocalDevices(model_params, cluster):
+  local_devices.SetUpLocalDevices(model_params, _DeviceSettings(), cluster.worker_split_size,
+                                  cluster.worker_replicas)
+
+
+def _DeviceSettings():
+  return local_devices.DeviceSettings(
+      run_locally=FLAGS.run_locally, memory_growth=FLAGS.gpu_memory_growth,
+      gpu_split_mb=FLAGS.gpu_split_mb, gpus=FLAGS.gpus, num_cpu_devices=FLAGS.num_cpu_devices)
+
+
+def _TrainSettings():
+  return train_job.TrainSettings(steps_per_loop=FLAGS.steps_per_loop,
+                                 checkpoint_max_to_keep=FLAGS.checkpoint_max_to_keep,
+                                 pipeline_stats_every=FLAGS.pipeline_stats_every)
 
 
 def _EvalSettings():
