@@ -29,7 +29,8 @@ def testTheMeasuredStepStartsOnceTheStepBeforeItHasEnded():
   steps = tf.Variable(0, dtype=tf.int64)
 
   def Body():
-    loss, grads = pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean(y ** 2))
+    loss, grads = pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean(y ** 2),
+                                       loss_reduction='mean')
     steps.assign_add(1)
     # A step that ends _SLEEP_S after it started: its last output.
     slept = tf.py_function(lambda: time.sleep(_SLEEP_S) or 0.0, [], tf.float32)

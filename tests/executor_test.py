@@ -32,7 +32,8 @@ def _StepGraph(pipe):
 
   @tf.function
   def Step():
-    return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean(tf.square(y)))
+    return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean(tf.square(y)),
+                                loss_reduction='mean')
 
   return Step.get_concrete_function().graph
 

@@ -1,5 +1,6 @@
 """Tests of lingvo_gpipe.pipeline.gpipe against plain TensorFlow math on the same weights."""
 
+import functools
 import itertools
 
 import numpy as np
@@ -115,7 +116,7 @@ def testForwardBackwardIsExact(k, m, remat, sched):
   pipe = _Pipe(k, m, remat, sched)
   x = _Input()
   ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
-  loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss)
+  loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
   assert _RelErr(loss, ref_loss) <= 1e-5
   # grads mirrors theta; theta's variables in the same order as trainable_variables.
   by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
@@ -137,7 +138,7 @@ def testEveryScheduleIsExactWithOddSizesAndReplicas(sched, remat, k, m, r):
   pipe = Build()
   x = tf.random.stateless_normal([4 * m * r, DIM], [5, 6])
   ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
-  loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss)
+  loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
   assert _RelErr(loss, ref_loss) <= 1e-5
   by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
   _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
@@ -194,7 +195,7 @@ def testSplitWeightGradientsOfSharedAndBorrowedWeightsAreExact(sched, remat):
   for a, b in zip(plain.variables, pipe.variables):
     a.assign(b)
   x = _Input()
-  ref_loss, ref_grads = plain.ForwardBackward(plain.theta, x, _Loss)
+  ref_loss, ref_grads = plain.ForwardBackward(plain.theta, x, _Loss, loss_reduction='mean')
   loss, grads = tf.function(pipe.ForwardBackward)(pipe.theta, x, _Loss)
   assert _RelErr(loss, ref_loss) <= 1e-5
   ref = tf.nest.flatten([c.sub for c in ref_grads.cell])
@@ -210,7 +211,7 @@ def testEvalThenTrainWithEverySchedule(sched):
   with py_utils.EvalMode():
     assert _RelErr(pipe(x), _Reference(pipe, x)) <= 1e-5
   ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
-  loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss)
+  loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
   assert _RelErr(loss, ref_loss) <= 1e-5
   by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
   _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
@@ -241,7 +242,7 @@ def testEagerStepsTraceEachCellFunctionOnce(sched, caplog):
   more than 4 cells it also warns if it counts the cells' functions as one."""
   pipe = _Pipe(8, 4, sched=sched, num_layers=16, allow_device_reuse=True)
   for seed in (1, 2):
-    pipe.ForwardBackward(pipe.theta, _Input(seed), _Loss)
+    pipe.ForwardBackward(pipe.theta, _Input(seed), _Loss, loss_reduction='mean')
   assert not [r for r in caplog.records if 'retracing' in r.getMessage()]
   functions = [f for cell in pipe.cell_functions[0] for f in vars(cell).values()
                if isinstance(f, tf.types.experimental.PolymorphicFunction)]
@@ -263,7 +264,7 @@ def testInsideTfFunction(k, m, sched):
   @tf.function
   def Step(x):
     traces.append(x)
-    loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss)
+    loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
     if sched != 'gpipe':
       return loss, tf.nest.flatten(grads)
     with tf.GradientTape() as tape:
@@ -287,7 +288,8 @@ def testStepsTracedApartReuseTheChunksFunctions(sched):
   function again, and each step function once."""
   pipe = _Pipe(2, 4, 'always', sched)
   cell_functions.CreateGradientSums(pipe)
-  steps = [tf.function(lambda x: pipe.ForwardBackward(pipe.theta, x, _Loss)[0])
+  steps = [tf.function(lambda x: pipe.ForwardBackward(pipe.theta, x, _Loss,
+                                                      loss_reduction='mean')[0])
            for _ in range(2)]
 
   @tf.function
@@ -325,7 +327,8 @@ def testPassesInOneFunctionEachSumTheirOwnGradients(sched):
 
   @tf.function
   def Steps():
-    grads = [Ordered(pipe.ForwardBackward(pipe.theta, x, _Loss)[1]) for x in inputs]
+    grads = [Ordered(pipe.ForwardBackward(pipe.theta, x, _Loss,
+                                          loss_reduction='mean')[1]) for x in inputs]
     if sched == 'gpipe':
       with tf.GradientTape() as tape:
         loss = _Loss(pipe(inputs[0]))
@@ -374,7 +377,7 @@ def testNestedMapInputsWithIntegerLeavesAndBeforeLayers(sched, remat):
     ref_loss = _Loss(Reference())
   ref_grads = tape.gradient(ref_loss, pipe.trainable_variables)
   inputs = py_utils.NestedMap(x=x, mask=mask)
-  loss, grads = pipe.ForwardBackward(pipe.theta, inputs, Loss)
+  loss, grads = pipe.ForwardBackward(pipe.theta, inputs, Loss, loss_reduction='mean')
   assert _RelErr(loss, ref_loss) <= 1e-5
   by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
   _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
@@ -408,7 +411,7 @@ def testWeightedMetricsMergeExactly(sched):
   with tf.GradientTape() as tape:
     ref = LossFn(_Reference(pipe, x))
   ref_grads = tape.gradient(ref.loss[0], pipe.trainable_variables)
-  metrics, grads = pipe.ForwardBackward(pipe.theta, x, LossFn)
+  metrics, grads = pipe.ForwardBackward(pipe.theta, x, LossFn, loss_reduction='mean')
   for name in ('loss', 'big'):
     assert _RelErr(metrics[name][0], ref[name][0]) <= 1e-5
     assert float(metrics[name][1]) == pytest.approx(float(ref[name][1]))
@@ -444,7 +447,7 @@ def testFetchedActivations():
     other = p.Instantiate()
     for a, b in zip(other.variables, pipe.variables):
       a.assign(b)
-    fb_loss, grads = other.ForwardBackward(other.theta, x, Loss)
+    fb_loss, grads = other.ForwardBackward(other.theta, x, Loss, loss_reduction='mean')
     assert _RelErr(fb_loss, ref_loss) <= 1e-5
     by_name = {v.name: g for v, g in zip(tf.nest.flatten(other.theta), tf.nest.flatten(grads))}
     _AssertGradsClose([by_name[v.name] for v in other.trainable_variables], ref_grads)
@@ -491,7 +494,7 @@ def testEveryOpOfCellKRunsOnDeviceK(sched):
 
   @tf.function
   def Step(x):
-    return pipe.ForwardBackward(pipe.theta, x, _Loss)
+    return pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
 
   graph_def = Step.get_concrete_function(tf.TensorSpec([BATCH, DIM])).graph.as_graph_def()
   library = {f.signature.name: f for f in graph_def.library.function}
@@ -584,7 +587,7 @@ def testAStepRunsThePlainModelsMatMulsPerMicroBatch(layer):
 
   @tf.function
   def Step(x):
-    return pipe.ForwardBackward(pipe.theta, x, _Loss)
+    return pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
 
   plain = _MatMulsRun(Plain.get_concrete_function(spec).graph)
   assert plain == 8 * 2 + 8 * 4 - 1  # Forward 2 per layer, backward 4 but the input's.
@@ -608,7 +611,7 @@ def testASplitWeightGradientWalksNoActivationChain(sched, layer):
 
   @tf.function
   def Step(x):
-    return pipe.ForwardBackward(pipe.theta, x, _Loss)
+    return pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
 
   graph = Step.get_concrete_function(tf.TensorSpec([BATCH, DIM])).graph
   layers_per_chunk = 8 // pipe.num_chunks
@@ -630,7 +633,7 @@ def testScheduleOrdersTheGraph(sched):
 
   @tf.function
   def Step(x):
-    return pipe.ForwardBackward(pipe.theta, x, _Loss)
+    return pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
 
   graph = Step.get_concrete_function(tf.TensorSpec([BATCH, DIM])).graph
   scopes = _StepOps(graph)
@@ -655,7 +658,7 @@ def testABatchHeldElsewhereReachesTheFirstDeviceAMicroBatchAtATime(sched):
   @tf.function
   def Step(x):
     with tf.device('/device:CPU:3'):
-      return pipe.ForwardBackward(pipe.theta, x, _Loss)
+      return pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
 
   x = _Input()
   loss, grads = Step(x)
@@ -709,7 +712,7 @@ def testDropoutMasksAreRedrawnIdenticallyInRecompute(remat):
     ref_loss = _Loss(Reference())
   ref_grads = tape.gradient(ref_loss, pipe.trainable_variables)
   with py_utils.Context(step=7):
-    loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss)
+    loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
     with tf.GradientTape() as tape:
       tape_loss = _Loss(pipe(x))
     tape_grads = tape.gradient(tape_loss, pipe.trainable_variables)
@@ -741,7 +744,7 @@ def testTimeMajorDropoutIsThePlainRunsUnderItsBatchSlice(sched):
     return _Loss(y)
 
   with py_utils.Context(step=7):
-    loss, _ = pipe.ForwardBackward(pipe.theta, x, _Loss)
+    loss, _ = pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
   assert _RelErr(loss, PlainLoss(py_utils.BatchSlice(0, None, batch_dim=1))) <= 1e-5
   assert _RelErr(loss, PlainLoss(None)) > 1e-3
 
@@ -844,44 +847,52 @@ def testRecomputeUsesTheStepOfItsForwardWhereverTheTapeIsAsked():
       loss = _Loss(pipe(x))
   grads = tape.gradient(loss, pipe.trainable_variables)  # Outside the step's context.
   with py_utils.Context(step=7):
-    _, want = pipe.ForwardBackward(pipe.theta, x, _Loss)
+    _, want = pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
   by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(want))}
   _AssertGradsClose(grads, [by_name[v.name] for v in pipe.trainable_variables])
 
 
 @pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
 def testEveryScheduleGivesTheWholeBatchLossOfAScalarSumOrMean(sched):
-  """Also at M=1, where the one micro-batch is the batch (a sum was refused there: a
-  probe split into one part cannot tell it from a mean)."""
-  for loss_fn, m in itertools.product(
-      (lambda y: tf.reduce_sum(y ** 2), lambda y: tf.reduce_mean(y ** 2)), (1, 4)):
+  """A bare scalar merges as its declared loss_reduction says, also at M=1, where the one
+  micro-batch is the batch."""
+  for (loss_fn, reduction), m in itertools.product(
+      ((lambda y: tf.reduce_sum(y ** 2), 'sum'), (lambda y: tf.reduce_mean(y ** 2), 'mean')),
+      (1, 4)):
     pipe = _Pipe(2, m, sched=sched)
     x = _Input()
     with tf.GradientTape() as tape:
       ref_loss = loss_fn(_Reference(pipe, x))
     ref_grads = tape.gradient(ref_loss, pipe.trainable_variables)
-    loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn)
+    loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, loss_reduction=reduction)
     assert _RelErr(loss, ref_loss) <= 1e-5
     by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
     _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
 
 
-def testAnEagerLoopProbesItsLossOnceAndEveryStepEqualsThePlainModel():
-  """The probe calls loss_fn dozens of times: an eager loop pays it at its first step, and
-  again for a batch of another size, then calls loss_fn once per micro-batch."""
-  pipe, calls = _Pipe(2, 4, sched='1f1b'), []
+@pytest.mark.parametrize('sched', [n for n in schedule.SCHEDULE_NAMES if n != 'gpipe'])
+def testABareScalarOfAMicroBatchScheduleNeedsADeclaredReduction(sched):
+  """Not guessed: a bare scalar without loss_reduction is a ValueError naming the ways out;
+  'gpipe', which calls the loss once on the whole batch, takes it; a pair needs none; an
+  unknown reduction is refused by every schedule. loss_fn runs once per micro-batch."""
+  x = _Input()
+  pipe = _Pipe(2, 4, sched=sched)
+  with pytest.raises(ValueError, match=r"bare scalar 'loss'.*loss_reduction='mean'"):
+    pipe.ForwardBackward(pipe.theta, x, _Loss)
+  for name in (sched, 'gpipe'):
+    pipe = _Pipe(2, 4, sched=name)
+    with pytest.raises(ValueError, match=r"loss_reduction='avg'; expected None, 'mean' or"):
+      pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='avg')
+  want = float(_Loss(_Reference(pipe, x)))
+  assert _RelErr(pipe.ForwardBackward(pipe.theta, x, _Loss)[0], want) <= 1e-5
+  pipe, calls = _Pipe(2, 4, sched=sched), []
 
-  def Loss(y):
+  def Pair(y):
     calls.append(y.shape[0])
-    return tf.reduce_mean(y ** 2)
+    return _Loss(y), tf.cast(tf.shape(y)[0], tf.float32)
 
-  for seed, rows, probed in ((1, BATCH, True), (2, BATCH, False), (3, 10, True),
-                             (4, 10, False)):
-    x = _Input(seed)[:rows]
-    del calls[:]
-    loss, _ = pipe.ForwardBackward(pipe.theta, x, Loss)
-    assert _RelErr(loss, tf.reduce_mean(_Reference(pipe, x) ** 2)) <= 1e-5
-    assert (len(calls) > 4) == probed, (seed, calls)
+  assert _RelErr(pipe.ForwardBackward(pipe.theta, x, Pair)[0], want) <= 1e-5
+  assert calls == [BATCH // 4] * 4
 
 
 @pytest.mark.parametrize('sched', ['gpipe', '1f1b', 'zb_h1'])
@@ -892,31 +903,29 @@ def testALossReadingThePipelinesWeightsIsRefused(sched):
   weight = pipe.trainable_variables[0]
   with pytest.raises(ValueError, match=f'loss_fn reads weights of the pipeline .*{weight.name}'):
     pipe.ForwardBackward(pipe.theta, _Input(),
-                         lambda y: _Loss(y) + tf.reduce_sum(tf.square(weight)))
+                         lambda y: _Loss(y) + tf.reduce_sum(tf.square(weight)),
+                         loss_reduction='mean')
 
 
-def testAMicroBatchScheduleRefusesALossThatDoesNotDecompose():
+def testAMicroBatchLossReadingAWholeBatchTensorIsAClearError():
   pipe = _Pipe(2, 4, sched='1f1b')
-  x = _Input()
-  with pytest.raises(ValueError, match=r"'loss' on a whole batch .* is neither the sum"):
-    pipe.ForwardBackward(pipe.theta, x, tf.reduce_max)
   labels = tf.zeros([BATCH, DIM])  # A whole-batch tensor inside a per-micro-batch loss.
 
   @tf.function
   def Step(x):
-    return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean((y - labels) ** 2))
+    return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean((y - labels) ** 2),
+                                loss_reduction='mean')
 
   with pytest.raises(ValueError, match='calls loss_fn on each micro-batch'):
-    Step(x)
+    Step(_Input())
 
 
 @pytest.mark.parametrize('sched', [n for n in schedule.SCHEDULE_NAMES if n != 'gpipe'])
 def testALossReadingATensorOfTheStepEqualsThePlainModel(sched):
-  """A loss scaled by a tensor computed in the traced step (it cannot run in the eager probe):
-  a mean on 16 and on 3 rows (one micro-batch empty), a sum and a (value, weight) pair on 10
-  (micro-batches 3, 3, 2, 2), in tf.function, equal plain TF at a scale of 3 and of 0 (checked
-  when the step runs; at 0 the probe cannot tell a sum from a mean: the empty micro-batch's
-  NaN, 0 times a mean over no rows, made the loss NaN)."""
+  """A loss scaled by a tensor computed in the traced step: a mean on 16 and on 3 rows (one
+  micro-batch empty), a sum and a (value, weight) pair on 10 (micro-batches 3, 3, 2, 2), in
+  tf.function, equal plain TF at a scale of 3 and of 0 (the empty micro-batch's NaN, 0 times
+  a mean over no rows, must not make the loss NaN)."""
   pipe = _Pipe(2, 4, sched=sched)
   scale = tf.Variable(2.0)
   losses = {'mean': lambda y, s: tf.reduce_mean(tf.square(y - 0.5)) * s,
@@ -929,9 +938,10 @@ def testALossReadingATensorOfTheStepEqualsThePlainModel(sched):
     x = _Input()[:rows]
 
     @tf.function
-    def Step(x, loss_fn=loss_fn):
+    def Step(x, loss_fn=loss_fn, reduction='sum' if name == 'sum' else 'mean'):
       s = scale * 1.5  # A tensor of the step.
-      return pipe.ForwardBackward(pipe.theta, x, lambda y: loss_fn(y, s))
+      return pipe.ForwardBackward(pipe.theta, x, lambda y: loss_fn(y, s),
+                                  loss_reduction=reduction)
 
     for value in (2.0, 0.0):
       scale.assign(value)
@@ -944,59 +954,6 @@ def testALossReadingATensorOfTheStepEqualsThePlainModel(sched):
       by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
       _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
 
-
-def testALossReadingATensorOfTheStepThatDoesNotMergeFailsTheStep():
-  """A max, and on uneven micro-batches a pair whose weight does not count its items."""
-  pipe = _Pipe(2, 4, sched='1f1b')
-  scale = tf.Variable(2.0)
-
-  @tf.function
-  def Step(x, loss_fn):
-    s = scale * 1.5
-    return pipe.ForwardBackward(pipe.theta, x, lambda y: loss_fn(y, s))
-
-  with pytest.raises(tf.errors.InvalidArgumentError, match=r"on a whole batch is neither the "
-                     r"sum nor the mean of its micro-batch values.*whole batch, sum, mean:"):
-    Step(_Input(), lambda y, s: tf.reduce_max(y) * s)
-  with pytest.raises(tf.errors.InvalidArgumentError, match=r"its .*loss.* \(value, weight\) on "
-                     r'a whole batch is not the weighted mean of its values on parts of '
-                     r'\[3, 3, 2, 2\] rows'):
-    Step(_Input()[:10], lambda y, s: (_Loss(y) * s, 1.0))
-  # 0 on the probe's (positive) outputs, not on these: the probe cannot tell a sum from a mean.
-  with pytest.raises(tf.errors.InvalidArgumentError, match=r"random outputs \(0, not finite"):
-    Step(_Input(), lambda y, s: tf.reduce_mean(tf.nn.relu(-y)) * s)
-
-
-def testALossReadingATensorOfTheStepThatDoesNotMergeIsNaNUnderXla():
-  """XLA compiles assertions away: the step's loss is NaN (the weight of a loss that failed
-  its check), not another loss."""
-  pipe = _Pipe(1, 4, sched='1f1b')
-  scale = tf.Variable(2.0)
-
-  @tf.function(jit_compile=True)
-  def Step(x):
-    s = scale * 1.5
-    return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_max(y) * s)
-
-  loss, grads = Step(_Input())
-  assert np.isnan(float(loss)) and all(np.isnan(g.numpy()).all() for g in tf.nest.flatten(grads))
-
-
-@pytest.mark.parametrize('sched', ['1f1b', 'zb_h1'])
-def testAMicroBatchScheduleRefusesALossOfBatchStatisticsOfWideOutputs(sched):
-  """Wide outputs: on values of one distribution each micro-batch's mean is the batch's to
-  about 1e-5, so only a probe whose micro-batches differ tells these losses apart."""
-  width = 512
-  cells = gpipe.CellsFromEnds([layers.ProjectionLayer.Params().Set(
-      name=f'proj{i}', input_dim=DIM if i == 0 else width, output_dim=width)
-                               for i in range(2)], [1, 2])
-  pipe = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells, num_micro_batches=2,
-                                            schedule=sched, remat='never').Instantiate()
-  x = tf.random.stateless_normal([64, DIM], [1, 2])
-  for loss_fn in (lambda y: tf.square(tf.reduce_mean(y)), tf.math.reduce_variance,
-                  lambda y: tf.reduce_mean(tf.square(y - tf.reduce_mean(y, 0)))):
-    with pytest.raises(ValueError, match=r"'loss' on a whole batch .* is neither the sum"):
-      pipe.ForwardBackward(pipe.theta, x, loss_fn)
 
 def _UnevenPipe(sched, remat, num_replicas=1, **kwargs):
   """K=2 devices, M=4, dropout in every cell: a batch of 10 runs micro-batches 3, 3, 2, 2."""
@@ -1036,8 +993,10 @@ def _LossOfSomeRows(y):
 
 def _AssertUnevenExact(pipe, x, loss_fn, step_fn=None):
   ref_loss, ref_grads = _UnevenReference(pipe, x, loss_fn)
+  reduction = 'sum' if loss_fn is _SumLoss else 'mean'
   with py_utils.Context(step=7):
-    loss, grads = (step_fn or pipe.ForwardBackward)(pipe.theta, x, loss_fn)
+    loss, grads = (step_fn or functools.partial(pipe.ForwardBackward,
+                                                loss_reduction=reduction))(pipe.theta, x, loss_fn)
   if isinstance(ref_loss, tuple):
     loss, ref_loss = loss.loss[0] if isinstance(loss, dict) else loss, ref_loss[0]
   assert _RelErr(loss, ref_loss) <= 1e-5
@@ -1097,7 +1056,7 @@ def testLabelsAreSplitAsTheInputsAndOutputsAreReturned(sched):
   ref_loss, ref_grads = _UnevenReference(pipe, x, RefLoss)
   with py_utils.Context(step=7):
     loss, grads, outputs = pipe.ForwardBackward(pipe.theta, x, _LabelLoss, labels=labels,
-                                                with_outputs=True)
+                                                with_outputs=True, loss_reduction='mean')
   assert _RelErr(loss, ref_loss) <= 1e-5 and _RelErr(outputs, seen[0]) <= 1e-5
   by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
   _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
@@ -1113,7 +1072,7 @@ def testLabelsOfOtherRowsAreRefusedByEverySchedule(sched):
                          'at batch_dim=0; the inputs have 10'),
                         ((x, tf.ones([])), r'shape \(\) has no batch dimension 0')]:
     with pytest.raises(ValueError, match=match):
-      pipe.ForwardBackward(pipe.theta, x, _LabelLoss, labels=labels)
+      pipe.ForwardBackward(pipe.theta, x, _LabelLoss, labels=labels, loss_reduction='mean')
 
 
 @pytest.mark.parametrize('sched', ['gpipe', '1f1b', 'zb_h1'])
@@ -1132,18 +1091,11 @@ def testAMicroBatchOfWeightZeroAddsNothingEvenWhenItsValueIsNaN(sched):
 
   ref_loss, ref_grads = _UnevenReference(pipe, x, lambda y: PairLoss(y, labels))
   with py_utils.Context(step=7):
-    loss, grads = pipe.ForwardBackward(pipe.theta, x, PairLoss, labels=labels)
+    loss, grads = pipe.ForwardBackward(pipe.theta, x, PairLoss, labels=labels,
+                                       loss_reduction='mean')
   assert _RelErr(loss, ref_loss[0]) <= 1e-5
   by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
   _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
-
-
-def testUnevenMicroBatchesRefuseAPairWhoseWeightDoesNotCountItsItems():
-  pipe = _UnevenPipe('1f1b', 'always')
-  with pytest.raises(ValueError, match=r"its 'loss' \(value, weight\) on a whole batch .* is "
-                     r'not the weighted mean .* of its values on parts of \[3, 3, 2, 2\] rows'):
-    pipe.ForwardBackward(pipe.theta, _Input()[:10], lambda y: (_Loss(y), 1.0))
-  _AssertUnevenExact(pipe, _Input()[:8], lambda y: (_Loss(y), 1.0))  # Even: exact.
 
 
 @pytest.mark.parametrize('remat', gpipe.REMAT_MODES)
@@ -1169,7 +1121,7 @@ def testBatchNormOfABatchSmallerThanMIsThatOfMicroBatchesOfOneRow(sched):
   results = []
   for m, spec in ((3, None), (4, None), (4, tf.TensorSpec([None, DIM]))):
     pipe = _BnPipe(num_micro_batches=m, sched=sched)
-    step = lambda x, pipe=pipe: pipe.ForwardBackward(pipe.theta, x, _Loss)
+    step = lambda x, pipe=pipe: pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
     loss, grads = (tf.function(step, input_signature=[spec]) if spec else step)(x)
     results.append([loss] + tf.nest.flatten(grads) + [v.numpy() for v in pipe.variables])
   for got in results[1:]:
@@ -1187,7 +1139,7 @@ def testBatchOfUnknownSizeAtTraceTime(sched):
   @tf.function(input_signature=[spec])
   def Train(x):
     with py_utils.Context(step=7):
-      return pipe.ForwardBackward(pipe.theta, x, _Loss)
+      return pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
 
   for rows in (10, 5, 3, 1):
     _AssertUnevenExact(pipe, _Input()[:rows], _Loss, lambda theta, x, loss_fn: Train(x))
@@ -1265,7 +1217,8 @@ def testBfloat16CrossesStagesWhileGradientsStayFloat32():
 
   @tf.function
   def Step(x):
-    return pipe.ForwardBackward(pipe.theta, x, lambda y: _Loss(tf.cast(y, tf.float32)))
+    return pipe.ForwardBackward(pipe.theta, x, lambda y: _Loss(tf.cast(y, tf.float32)),
+                                loss_reduction='mean')
 
   graph = Step.get_concrete_function(tf.TensorSpec([BATCH, DIM])).graph
   # Tensors produced on stage 0 and consumed by stage 1's forward are bfloat16.
@@ -1303,7 +1256,7 @@ def testMismatchedCellsNameTheCell():
   pipe = gpipe.PipeliningLayer.Params().Set(name='pipe', cell_tpl=cells).Instantiate()
   with pytest.raises(ValueError,
                      match=r'cell 1 \(pipe/cell1\) failed on the output of cell 0 \(shapes '):
-    pipe.ForwardBackward(pipe.theta, _Input(), _Loss)
+    pipe.ForwardBackward(pipe.theta, _Input(), _Loss, loss_reduction='mean')
 
 
 def testDeviceReuseAndMicroBatchSize():
@@ -1405,7 +1358,7 @@ def _TapeStep(layer):
 
 def _ForwardBackwardStep(pipe):
   x = _MemInput()
-  return tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, _Loss)[1])
+  return tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')[1])
 
 
 def testPeakMemoryFallsWithMicroBatchesAndStaysFarBelowPlain():
@@ -1444,7 +1397,7 @@ def testADeepCellsBackwardHoldsOneGradientSum(path):
   @tf.function
   def Step():
     if path == 'forward_backward':
-      return pipe.ForwardBackward(pipe.theta, x, _Loss)[1]
+      return pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')[1]
     with tf.GradientTape() as tape:
       loss = _Loss(pipe(x))
     return tape.gradient(loss, pipe.trainable_variables)
@@ -1465,7 +1418,7 @@ def testGradientSumsAreNoPartOfTheModel(tmp_path):
   pipe = _Pipe(2, 2)
   names = [v.name for v in pipe.variables]
   keys = tf.train.list_variables(tf.train.Checkpoint(pipe=pipe).write(str(tmp_path / 'a')))
-  pipe.ForwardBackward(pipe.theta, _Input(), _Loss)
+  pipe.ForwardBackward(pipe.theta, _Input(), _Loss, loss_reduction='mean')
   assert [v.name for v in pipe.variables] == names
   assert tf.train.list_variables(tf.train.Checkpoint(pipe=pipe).write(
       str(tmp_path / 'b'))) == keys
@@ -1530,7 +1483,7 @@ def testReplicasTrainLikeOneDeviceOnTheWholeBatch(sched):
   def Step(x):
     stats = []
     with py_utils.Context(step_stats=stats):
-      loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss)
+      loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
     return loss, grads, stats
 
   loss, grads, stats = Step(x)
@@ -1551,7 +1504,7 @@ def testReplicaStepsRunOnTheirOwnDevices():
 
   @tf.function
   def Step(x):
-    return pipe.ForwardBackward(pipe.theta, x, _Loss)
+    return pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
 
   graph_def = Step.get_concrete_function(tf.TensorSpec([BATCH, DIM])).graph.as_graph_def()
   library = {f.signature.name: f for f in graph_def.library.function}
@@ -1589,7 +1542,8 @@ def testAUsersOwnScheduleTextRunsAndEqualsThePlainModel(remat):
   assert pipe.GetSchedule(BATCH).ToText() == _USER_TEXT
   x = _Input()
   ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
-  loss, grads = tf.function(lambda x: pipe.ForwardBackward(pipe.theta, x, _Loss))(x)
+  loss, grads = tf.function(lambda x: pipe.ForwardBackward(pipe.theta, x, _Loss,
+                                                           loss_reduction='mean'))(x)
   assert _RelErr(loss, ref_loss) <= 1e-5
   by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
   _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
@@ -1621,11 +1575,11 @@ def testATextWithMicroBatchSizeRunsItsMAndSaysWhereAnotherMCameFrom():
   assert pipe.GetSchedule(BATCH) is pipe.GetSchedule(BATCH)
   x = _Input()
   ref_loss, _ = _ReferenceLossAndGrads(pipe, x)
-  loss, _ = pipe.ForwardBackward(pipe.theta, x, _Loss)
+  loss, _ = pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
   assert _RelErr(loss, ref_loss) <= 1e-5
   with pytest.raises(ValueError, match=r'this pipeline runs K=2, M=8, v=1 \(M = the rows of '
                      r"each replica's batch / micro_batch_size=4\)\."):
-    pipe.ForwardBackward(pipe.theta, tf.concat([x, x], 0), _Loss)
+    pipe.ForwardBackward(pipe.theta, tf.concat([x, x], 0), _Loss, loss_reduction='mean')
 
 
 @pytest.mark.parametrize('remat', gpipe.REMAT_MODES)

@@ -247,7 +247,7 @@ def testSplitBackwardOfAKerasLayerThatChainsWeightsWalksNoChainAgain(sched):
 
   @tf.function
   def Step(x):
-    return pipe.ForwardBackward(pipe.theta, x, Loss)
+    return pipe.ForwardBackward(pipe.theta, x, Loss, loss_reduction='sum')
 
   graph = Step.get_concrete_function(tf.TensorSpec([8, 8])).graph
   assert all(fn.splits for fn in pipe.cell_functions[0])

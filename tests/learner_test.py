@@ -230,10 +230,11 @@ def _MeanLoss(y, factor=1.0):
 def testAScaledFloat32BackwardGivesTheSameGradientsBitwise(sched, loop):
   pipe = _Stack(sched, num_micro_batches=8 if loop else 4, loop_steady_state=loop)
   x = _Input()
-  step = tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, _MeanLoss))
+  step = tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, _MeanLoss, loss_reduction='mean'))
   loss, grads = step()
   with py_utils.Context(loss_scale=tf.constant(2.0 ** 15)):
-    scaled_step = tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, _MeanLoss))
+    scaled_step = tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, _MeanLoss,
+                                                           loss_reduction='mean'))
     scaled_loss, scaled_grads = scaled_step()
     graph = scaled_step.get_concrete_function().graph
   assert steady_state.LoopsIn(graph) == int(loop)
@@ -250,9 +251,9 @@ def testALossInFloat16IsScaledToo():
   def Loss(y):
     return tf.reduce_mean(tf.square(y - 0.5)), tf.constant(1.0, tf.float16)
 
-  plain = tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, Loss))()
+  plain = tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, Loss, loss_reduction='mean'))()
   with py_utils.Context(loss_scale=tf.constant(16.0)):
-    scaled = tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, Loss))()
+    scaled = tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, Loss, loss_reduction='mean'))()
   for g, s in zip(tf.nest.flatten(plain[1]), tf.nest.flatten(scaled[1])):
     np.testing.assert_allclose(s.numpy(), g.numpy(), rtol=1e-2, atol=1e-3)
 
@@ -281,7 +282,8 @@ def testFloat16GradientsUnderflowWithoutTheScaleAndNotWithIt():
       return _MeanLoss(y, factor=1e-6)
 
     with py_utils.Context(loss_scale=scale):
-      return tf.nest.flatten(tf.function(lambda: layer.ForwardBackward(layer.theta, x, Loss))()[1])
+      return tf.nest.flatten(tf.function(lambda: layer.ForwardBackward(layer.theta, x, Loss,
+                                                                       loss_reduction='mean'))()[1])
 
   expected = Grads(reference)
   assert all(np.all(g.numpy() == 0) for g in Grads(pipe))

@@ -49,7 +49,7 @@ class _Task(base_model.BaseTask):
 
   def ForwardBackward(self, theta, input_batch):
     loss, grads = self.pipe.ForwardBackward(theta.pipe, input_batch,
-                                            lambda y: tf.reduce_mean(y ** 2))
+                                            lambda y: tf.reduce_mean(y ** 2), loss_reduction='mean')
     return py_utils.NestedMap(loss=(loss, 1.0)), py_utils.NestedMap(pipe=grads)
 
 

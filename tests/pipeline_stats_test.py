@@ -215,7 +215,7 @@ def testMeasuringChangesNoResultEagerAndInTfFunction(k, m, remat, sched):
 
   def Step(records):
     with py_utils.Context(step_stats=records):
-      return pipe.ForwardBackward(pipe.theta, x, _Loss)
+      return pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
 
   def AssertSame(measured, plain):
     # Measuring runs the same math; a step function traced with stamps may
@@ -251,7 +251,7 @@ def testAMeasuredStepIsTracedOnce():
     traces.append(True)
     records = []
     with py_utils.Context(step_stats=records, step=tf.constant(0, tf.int64)):
-      loss, _ = pipe.ForwardBackward(pipe.theta, x, _Loss)
+      loss, _ = pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
     return loss, [r.end for r in records]
 
   _, ends = Measured()
@@ -294,7 +294,7 @@ def _MeasuredGraph(pipe):
   def Step():
     records = []
     with py_utils.Context(step_stats=records):
-      return pipe.ForwardBackward(pipe.theta, x, _Loss), records
+      return pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean'), records
 
   return Step.get_concrete_function().graph
 
@@ -353,7 +353,7 @@ def testStackTimesKeepsEachStampOnItsDevice():
   def Step():
     records.clear()
     with py_utils.Context(step_stats=records):
-      pipe.ForwardBackward(pipe.theta, x, _Loss)
+      pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
     return pipeline_stats.StackTimes(records)
 
   graph = Step.get_concrete_function().graph

@@ -160,7 +160,7 @@ def testPipelineEqualsThePlainModel(policy, sched, remat_mode):
   x = _Input()
   with py_utils.Context(step=3):
     ref_loss, ref_grads = _TapeLossAndGrads(plain, x)
-    loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss)
+    loss, grads = pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
   assert _RelErr(loss, ref_loss) <= 1e-5
   _AssertClose(_ByVariable(pipe, grads), ref_grads)
 
@@ -179,7 +179,8 @@ def testPipelineBatchNormAndFetchedActivationsEqualThePlainModel(policy):
     ref_loss = _Loss(out) + tf.reduce_mean(acts.r2)
   ref_grads = tape.gradient(ref_loss, plain.trainable_variables)
   loss, grads = pipe.ForwardBackward(pipe.theta, x,
-                                     lambda y, acts: _Loss(y) + tf.reduce_mean(acts.r2))
+                                     lambda y, acts: _Loss(y) + tf.reduce_mean(acts.r2),
+                                     loss_reduction='mean')
   assert _RelErr(loss, ref_loss) <= 1e-5
   _AssertClose(_ByVariable(pipe, grads), ref_grads)
   bn, ref_bn = pipe.cell[0].sub[2].vars, plain.sub[2].vars
@@ -201,7 +202,8 @@ def _MlpPeak(policy, stages):
     pipe = gpipe.PipeliningLayer.Params().Set(
         name='pipe', cell_tpl=gpipe.CellsFromEnds(mlp, [8 * (k + 1) for k in range(stages)]),
         cell_remat_policy=policy).Instantiate()
-    step = tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, _Loss), autograph=False)
+    step = tf.function(lambda: pipe.ForwardBackward(pipe.theta, x, _Loss,
+                                                    loss_reduction='mean'), autograph=False)
   else:
     model = _Plain(mlp, policy)
     step = tf.function(lambda: _TapeLossAndGrads(model, x), autograph=False)

@@ -79,7 +79,7 @@ def _Run(pipe, rows=24):
   def Step(x, labels):
     with py_utils.Context(step=tf.constant(0, tf.int64)):
       return pipe.ForwardBackward(pipe.theta, x, lambda y, t: tf.reduce_mean(tf.square(y - t)),
-                                  labels=labels, with_outputs=True)
+                                  labels=labels, with_outputs=True, loss_reduction='mean')
 
   result = tf.nest.map_structure(lambda t: t.numpy(), Step(x, labels))
   loops = steady_state.LoopsIn(Step.get_concrete_function(x, labels).graph)
@@ -126,7 +126,8 @@ def testADeepPipelinesGraphHoldsFewerCallsLooped():
     @tf.function(autograph=False)
     def Step():
       with py_utils.Context(step=tf.constant(0, tf.int64)):
-        return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean(y))
+        return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean(y),
+                                    loss_reduction='mean')
 
     graph = Step.get_concrete_function().graph
     return sum(op.type == 'StatefulPartitionedCall' for op in graph.get_operations())
@@ -150,7 +151,8 @@ def testALoopedStepGivesTheSameNumbersEveryTime(sched):
   @tf.function(autograph=False)
   def Step():
     with py_utils.Context(step=tf.constant(0, tf.int64)):
-      return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean(tf.square(y)))
+      return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean(tf.square(y)),
+                                  loss_reduction='mean')
 
   first = tf.nest.flatten(tf.nest.map_structure(lambda t: t.numpy(), Step()))
   for _ in range(15):

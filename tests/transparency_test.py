@@ -173,7 +173,7 @@ def _Train(c):
         loss = _Loss(*pipe.FProp(pipe.theta, batch))
       variables = pipe.trainable_variables
       return loss, list(zip(tape.gradient(loss, variables), variables))
-    loss, grads = pipe.ForwardBackward(pipe.theta, batch, _Loss)
+    loss, grads = pipe.ForwardBackward(pipe.theta, batch, _Loss, loss_reduction='mean')
     return loss, learner.GradientsAndVariables(pipe.theta, grads)
 
   @tf.function(autograph=False)

@@ -277,7 +277,7 @@ def _BuiltInStep(tf, config, devices=None, input_device=None):
       return loss, tape.gradient(loss, model.trainable_variables)
     # On a cluster, glue ops go where their inputs are, not to this client.
     with cluster_lib.ColocatedWithInputs() if devices else contextlib.nullcontext():
-      return model.ForwardBackward(model.theta, x, Loss)
+      return model.ForwardBackward(model.theta, x, Loss, loss_reduction='mean')
 
   params = sum(int(tf.size(v)) for v in model.trainable_variables)
   return Step(_Run(tf, Body), MeasuredStep(tf, Body) if config['stages'] else None, params,

@@ -79,7 +79,7 @@ def _RunOne(config):
         loss = Loss(model(x))
       grads = tape.gradient(loss, weights)
     else:
-      loss, grads = model.ForwardBackward(model.theta, x, Loss)
+      loss, grads = model.ForwardBackward(model.theta, x, Loss, loss_reduction='mean')
       by_ref = {g_var.ref(): g for g_var, g in zip(tf.nest.flatten(model.theta),
                                                     tf.nest.flatten(grads))}
       grads = [by_ref[v.ref()] for v in weights]

@@ -151,7 +151,7 @@ def _Pipeline(config):
       virtual_stages=v).Instantiate()
 
   def ForwardBackward(x, loss_fn):
-    loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn)
+    loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, loss_reduction='mean')
     return loss, tf.nest.flatten(grads)
 
   result = _Result(config, *_StepsPerSecond(config, devices[0], ForwardBackward,
@@ -170,7 +170,7 @@ def _Bubble(config, device, pipe):
     with tf.device(device):
       x = tf.random.stateless_normal([config['rows'], config['width']], [7, 8])
     with cluster_lib.ColocatedWithInputs():
-      return pipe.ForwardBackward(pipe.theta, x, _Loss)
+      return pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
 
   summary = bench_utils.MeasureBubble(bench_utils.MeasuredStep(tf, Body), config['bubble_steps'])
   return dict(bubble=summary['bubble_fraction'], bubble_simulated=summary['simulated_bubble'],

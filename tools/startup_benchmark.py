@@ -74,7 +74,8 @@ def _RunOne(config):
 
   @tf.function(autograph=False)
   def Step(x):
-    return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean(tf.square(y)))
+    return pipe.ForwardBackward(pipe.theta, x, lambda y: tf.reduce_mean(tf.square(y)),
+                                loss_reduction='mean')
 
   def Run():  # With a step, as the trainer gives one (else the pipeline counts its calls).
     with py_utils.Context(step=tf.constant(0, tf.int64)):

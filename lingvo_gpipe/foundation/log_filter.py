@@ -1,10 +1,8 @@
 """Sends this process's stderr through a filter of C++ log lines for a block: the lines a
-log level lets through (binaries.QuietTensorFlow's TensorFlow import), or all but the
-warnings of failed ops (failed_op_logs: the loss probe's).
+log level lets through (binaries.QuietTensorFlow's TensorFlow import).
 
-TensorFlow's libraries log while they load, before they read TF_CPP_MIN_LOG_LEVEL, and a
-failed op logs before its exception is raised: only a filter on file descriptor 2 sees the
-lines. The filter is this script, run as a process of its own: each line is forwarded (or
+TensorFlow's libraries log while they load, before they read TF_CPP_MIN_LOG_LEVEL: only a
+filter on file descriptor 2 sees the lines. The filter is this script, run as a process of its own: each line is forwarded (or
 dropped) as it comes, and what was read is out even if the block kills the process (an
 illegal instruction, an abort).
 
@@ -12,7 +10,6 @@ illegal instruction, an abort).
     import tensorflow
 
   python log_filter.py <level>    # 0: every line; 3: none of INFO, WARNING, ERROR.
-  python log_filter.py <level> --drop_failed_ops
 
 Run as a script it imports nothing of the project, so it runs by path wherever the package
 lies.
@@ -28,19 +25,12 @@ import sys
 _SEVERITY = re.compile(r'([IWEF])\d{4} ')
 _LEVELS = {'I': 0, 'W': 1, 'E': 2, 'F': 3}
 _BEFORE_INIT = 'WARNING: All log messages before absl::InitializeLog() is called'
-# The warnings of a failed op: its kernel's, and its executor's that it stops (absl's
-# format, as TensorFlow 2.21 writes; earlier versions' own: '2024-10-14 21:27:37.4: W ...').
-_FAILED_OP = re.compile(r'(W\d{4} |\d{4}-\d\d-\d\d [\d:.]+: W ).*'
-                        r'(OP_REQUIRES failed at |Local rendezvous is aborting with status: )')
 
 
-def Shown(line, level, drop_failed_ops=False):
-  """Whether a line passes C++ log level `level` (and, with drop_failed_ops, is not a failed
-  op's warning); lines not in the log's format always do."""
+def Shown(line, level):
+  """Whether a line passes C++ log level `level`; lines not in the log's format always do."""
   if line.startswith(_BEFORE_INIT):
     return level == 0
-  if drop_failed_ops and _FAILED_OP.match(line):
-    return False
   severity = _SEVERITY.match(line)
   return not severity or _LEVELS[severity.group(1)] >= level
 
@@ -68,7 +58,7 @@ def _Python():
   return executable
 
 
-def _Start(level, drop_failed_ops):
+def _Start(level):
   """The filter's process, or None where there is no Python to run it."""
   python = _Python()
   if python is None:
@@ -76,14 +66,13 @@ def _Start(level, drop_failed_ops):
   command = [python, os.path.abspath(__file__), str(level)]
   try:
     # A session of its own: a Ctrl-C to this process's group does not stop the forwarding.
-    return subprocess.Popen(command + ['--drop_failed_ops'] * drop_failed_ops,
-                            stdin=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
   except (OSError, ValueError):
     return None
 
 
 @contextlib.contextmanager
-def Filtered(level, drop_failed_ops=False):
+def Filtered(level):
   """Within the block, fd 2 goes through the filter; as it is where it cannot (no stderr,
   no Python to run the filter with)."""
   _FlushStderr()
@@ -91,7 +80,7 @@ def Filtered(level, drop_failed_ops=False):
     saved = os.dup(2)
   except OSError:  # No stderr.
     saved = None
-  forward = _Start(level, drop_failed_ops) if saved is not None else None
+  forward = _Start(level) if saved is not None else None
   if forward is None:
     if saved is not None:
       os.close(saved)
@@ -111,12 +100,12 @@ def Filtered(level, drop_failed_ops=False):
       pass
 
 
-def main(level, drop_failed_ops):
+def main(level):
   for raw in sys.stdin.buffer:
-    if Shown(raw.decode(errors='replace'), level, drop_failed_ops):
+    if Shown(raw.decode(errors='replace'), level):
       sys.stderr.buffer.write(raw)  # As written: bytes of any encoding.
       sys.stderr.flush()
 
 
 if __name__ == '__main__':
-  main(int(sys.argv[1]), sys.argv[2:] == ['--drop_failed_ops'])
+  main(int(sys.argv[1]))

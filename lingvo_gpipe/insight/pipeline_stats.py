@@ -9,7 +9,7 @@ the records into numbers and pictures:
 
   records = []
   with py_utils.Context(step_stats=records):
-    loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn)
+    loss, grads = pipe.ForwardBackward(pipe.theta, x, loss_fn, loss_reduction='mean')
   timeline = pipeline_stats.Timeline.FromRecords(records)
   summary = pipeline_stats.Summarize(timeline, 'gpipe')
   print(summary.MarkdownTable())

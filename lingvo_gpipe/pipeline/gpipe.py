@@ -40,7 +40,7 @@ from lingvo_gpipe.layers import profiler
 from lingvo_gpipe.layers import remat as remat_lib
 from lingvo_gpipe.pipeline import cell_functions
 from lingvo_gpipe.pipeline import executor
-from lingvo_gpipe.pipeline import loss_probe
+from lingvo_gpipe.pipeline import loss_contract
 from lingvo_gpipe.pipeline import metrics as metrics_lib
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import partition
@@ -191,7 +191,6 @@ class PipeliningLayer(base_layer.BaseLayer):
     self._cell_functions = [[cell_functions.CellFunctions(self, c, device, r) for c, device in
                              enumerate(self.ReplicaDevices(r))] for r in range(p.num_replicas)]
     self._clocks = step_timing.DeviceClocks(self._devices[:self.num_stages], self.path)
-    self._loss_verdicts = loss_probe.LossVerdicts()  # A loss is probed once per signature.
 
   @property
   def devices(self):
@@ -378,34 +377,36 @@ class PipeliningLayer(base_layer.BaseLayer):
     return self._Result(outputs, acts)
 
   @tf.autograph.experimental.do_not_convert
-  def ForwardBackward(self, theta, inputs, loss_fn, labels=None, with_outputs=False):
+  def ForwardBackward(self, theta, inputs, loss_fn, labels=None, with_outputs=False,
+                      loss_reduction=None):
     """(loss, grads) of loss_fn(outputs) by the configured schedule.
 
     Args:
       theta: this layer's theta.
       inputs: a tensor, NestedMap, or tuple of them (the cells' arguments).
       loss_fn: maps the outputs (and, if cells fetch activations, the NestedMap
-        of activations as a second argument) to the loss: a scalar, a Lingvo
-        (value, weight) pair (value is a mean over weight items), or a NestedMap
-        of such metrics holding 'loss'. 'gpipe' calls it once on the whole
+        of activations as a second argument) to the loss: a Lingvo (value, weight)
+        pair (value is a mean over weight items), a NestedMap of such metrics
+        holding 'loss', or a bare scalar. 'gpipe' calls it once on the whole
         batch; the other schedules call it on each micro-batch as soon as it
-        leaves the last chunk, so the loss must decompose, and every schedule
-        gives the same loss and gradients: (value, weight) pairs merge as
-        sum(value * weight) / sum(weight); a bare scalar must be the sum or the
-        mean of its micro-batch values (weighted by their rows when M does not
-        divide the batch), which a probe on random outputs tells, else it is
-        refused (loss_probe.MicroBatchLoss, also for losses reading step tensors).
+        leaves the last chunk, and merge the micro-batches' metrics
+        (loss_contract.py): pairs as sum(value * weight) / sum(weight), bare
+        scalars as loss_reduction declares.
       labels: None, or tensors batched like the inputs (a structure, e.g. targets
         and example weights) that loss_fn takes as its last argument: a
         micro-batch's loss gets the rows of its own outputs, split as the inputs are.
       with_outputs: also return the whole batch's outputs (as FProp's), e.g. for
         metrics; the schedule keeps them until the pass ends anyway.
+      loss_reduction: how loss_fn's bare scalars merge over micro-batches: 'mean'
+        (a mean over the batch's rows), 'sum' (a sum over them), or None (a bare
+        scalar is then a ValueError under a schedule other than 'gpipe').
 
     Returns:
       (loss, grads), grads a NestedMap shaped like theta; if loss_fn returns a
       NestedMap, the first value is the NestedMap of merged (value, weight). With
       with_outputs, (loss, grads, outputs).
     """
+    loss_contract.CheckReduction(loss_reduction)
     args, before_tape = self._BeforeWithTape(theta, executor.AsArgs(inputs))
     rows, num = self._MicroBatching(args)
     microbatch.CheckLabels(labels, rows, self.params.batch_dim)
@@ -416,9 +417,9 @@ class PipeliningLayer(base_layer.BaseLayer):
                             need_input_grads=before_tape is not None,
                             keep_outputs=with_outputs or sched.whole_batch_loss)
     loss_scale = py_utils.CurrentContext().loss_scale
-    micro_loss_fn = None if sched.whole_batch_loss else loss_probe.MicroBatchLoss(
-        loss_fn, num * self.num_replicas, rows, self.params.batch_dim,
-        schedule_lib.Name(self.params.schedule), self._loss_verdicts)
+    micro_loss_fn = None if sched.whole_batch_loss else loss_contract.MicroBatchLoss(
+        loss_fn, loss_reduction, num * self.num_replicas, rows, self.params.batch_dim,
+        schedule_lib.Name(self.params.schedule))
 
     def OnLoss(one, m):
       if one is None:  # L(*): the whole batch's loss, once over every replica.
@@ -533,7 +534,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       weighted = loss * tf.stop_gradient(weight)
       if loss_scale is not None:
         weighted *= tf.cast(loss_scale, weighted.dtype)
-    loss_probe.RefuseWeightsRead(self, tape.watched_variables())
+    loss_contract.RefuseWeightsRead(self, tape.watched_variables())
     grads = tape.gradient(weighted, floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     weighs = tf.not_equal(weight, 0)
     grads = iter(tf.where(weighs, g, tf.zeros_like(g)) for g in map(tf.convert_to_tensor, grads))

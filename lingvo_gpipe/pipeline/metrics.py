@@ -2,8 +2,7 @@
 
 `value` is a mean over `weight` items (tokens, examples), so the metrics of
 several batches or micro-batches merge exactly as sum(value * weight) / sum(weight).
-Whether a loss_fn's bare scalar is a sum or a mean of its micro-batches is what
-loss_probe.py finds out.
+How a loss_fn's bare scalar merges over micro-batches is declared (loss_contract.py).
 """
 
 import tensorflow as tf

@@ -284,14 +284,15 @@ class PipelineModel(keras.Model):
       raise ValueError(f'{self.name}: fit() trains the loss of compile(loss=...) on each '
                        'micro-batch, so an overridden compute_loss would not run; put the loss '
                        'into compile(loss=...) instead.')
-    self._CheckLossMerges()
+    loss_reduction = self._LossReduction()
     x = self._CastInput(x)
     if not self.built:  # Not built by its first call (call() does not run in training).
       self.build(tuple(x.shape.as_list()))
     pipe = self._pipeline
     with py_utils.Context(training=True, step=self.optimizer.iterations):
       loss, grads, y_pred = pipe.ForwardBackward(pipe.theta, x, self._ScaledLoss,
-                                                 labels=(y, sample_weight), with_outputs=True)
+                                                 labels=(y, sample_weight), with_outputs=True,
+                                                 loss_reduction=loss_reduction)
     variables = self.trainable_variables
     tf_variables = [v.value for v in variables]  # What theta holds (KerasLayer).
     by_ref = {v.ref(): g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
@@ -305,13 +306,16 @@ class PipelineModel(keras.Model):
     self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-  def _CheckLossMerges(self):
-    """A loss of per-example values (reduction=None) is refused: fit() trains a scalar. A
-    loss that is a mean over some labels (ignore_class) or weighted by the batch's sum of
-    sample weights (reduction='mean_with_sample_weight') cannot be merged from
-    micro-batches: refused unless the schedule takes the whole batch's loss ('gpipe'). Seen
-    on loss objects and functools.partial; a function of your own is not looked into."""
+  def _LossReduction(self):
+    """How compile()'s loss merges over micro-batches (loss_contract.py): 'mean' for Keras's
+    reduction='sum_over_batch_size' (a function of your own is wrapped with it), 'sum' for
+    reduction='sum'. A loss of per-example values (reduction=None) is refused: fit() trains
+    a scalar. A mean over some labels (ignore_class), one weighted by the batch's sum of
+    sample weights (reduction='mean_with_sample_weight') or a mix of means and sums cannot
+    be merged from micro-batches: refused unless the schedule takes the whole batch's loss
+    ('gpipe'). Seen on loss objects and functools.partial."""
     schedule = self._options['schedule']
+    reductions = set()
     for item in tf.nest.flatten(self.loss):
       reduction = _LossOption(item, 'reduction', 'sum_over_batch_size')
       if reduction in (None, 'none'):
@@ -319,6 +323,7 @@ class PipelineModel(keras.Model):
             f"{self.name}: the loss's reduction={reduction!r} returns a value per example, "
             "and fit() trains one scalar per batch: use reduction='sum_over_batch_size' (the "
             "mean) or 'sum'.")
+      reductions.add('sum' if reduction == 'sum' else 'mean')
       if self._whole_batch_loss:
         continue
       ignored = _LossOption(item, 'ignore_class')
@@ -334,6 +339,14 @@ class PipelineModel(keras.Model):
             f"batch's sum of sample weights, which schedule={schedule!r} cannot merge from "
             "its micro-batches' losses; use schedule='gpipe', or "
             "reduction='sum_over_batch_size'.")
+    if self._whole_batch_loss:
+      return None
+    if len(reductions) > 1:
+      raise ValueError(
+          f"{self.name}: compile()'s losses mix reduction='sum' with means, whose total "
+          f"schedule={schedule!r} cannot merge from its micro-batches' losses; give them "
+          "one reduction, or use schedule='gpipe'.")
+    return reductions.pop() if reductions else 'mean'
 
   def _CastInput(self, x):
     """A floating input in the compute dtype, as keras.Model.__call__ hands it to call()."""

@@ -56,7 +56,8 @@ def LossAndGradients(pipe):
   @tf.function(autograph=False)
   def Step():
     with cluster_lib.ColocatedWithInputs():
-      return pipe.ForwardBackward(pipe.theta, x, lambda out: tf.reduce_mean(tf.square(out - y)))
+      return pipe.ForwardBackward(pipe.theta, x, lambda out: tf.reduce_mean(tf.square(out - y)),
+                                  loss_reduction='mean')
 
   loss, grads = Step()
   names = [v.name for v in tf.nest.flatten(pipe.theta)]
