@@ -19,7 +19,8 @@ into M micro-batches. One micro-batch's path through a training step:
   6. reassembly: outputs and input gradients are concatenated back.
 
 Which action runs when is data (schedule.py: print(pipe.GetSchedule(batch)));
-executor.py runs the actions in that order. With `num_replicas` R, R copies
+training_pass.py runs a pass of it, the executor (executor.py, replicas.py) its actions in
+that order. With `num_replicas` R, R copies
 of the pass each take 1/R of the batch and their weight gradients are summed.
 
 The backward pass is written out rather than left to the tape because the
@@ -41,12 +42,12 @@ from lingvo_gpipe.layers import remat as remat_lib
 from lingvo_gpipe.pipeline import cell_functions
 from lingvo_gpipe.pipeline import executor
 from lingvo_gpipe.pipeline import loss_contract
-from lingvo_gpipe.pipeline import metrics as metrics_lib
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import replicas
 from lingvo_gpipe.pipeline import schedule as schedule_lib
 from lingvo_gpipe.pipeline import step_timing
+from lingvo_gpipe.pipeline import training_pass
 
 REMAT_MODES = ('always', 'except_last', 'never')
 
@@ -84,12 +85,6 @@ class FeatureExtractionLayer(layers.SequentialLayer):
   def FPropWithActivations(self, theta, *args):
     """(outputs, NestedMap of the act_fetch_layers' outputs)."""
     return self.FPropAndOutputs(theta, args, self.params.act_fetch_layers)
-
-
-def _SplitBackwards(sched):
-  """(micro-batch, chunk) pairs whose backward the schedule splits into B and W."""
-  return {(s.action.micro_batch, s.action.chunk) for s in sched.steps
-          if s.action.kind == schedule_lib.WEIGHT_GRAD}
 
 
 class PipeliningLayer(base_layer.BaseLayer):
@@ -179,7 +174,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     # schedule places the chunks on the devices. Built and checked once per M (zbv at
     # K=8, M=64 takes half a second), here and then as batches need them.
     self._schedules = {}
-    self._placement = self._Schedule(None if p.micro_batch_size else p.num_micro_batches
+    self._placement = self.ScheduleFor(None if p.micro_batch_size else p.num_micro_batches
                                      ).placement
     if not isinstance(p.num_replicas, int) or p.num_replicas < 1:
       raise ValueError(f'num_replicas must be a positive int, got {p.num_replicas!r}.')
@@ -307,9 +302,9 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   def GetSchedule(self, batch_size):
     """The schedule a batch of `batch_size` runs; print it to see it."""
-    return self._Schedule(self.NumMicroBatches(batch_size))
+    return self.ScheduleFor(self.NumMicroBatches(batch_size))
 
-  def _Schedule(self, num_micro_batches):
+  def ScheduleFor(self, num_micro_batches):
     """The checked schedule at M = num_micro_batches (None: M not known yet, not kept)."""
     p = self.params
     sched = self._schedules.get(num_micro_batches)
@@ -362,19 +357,19 @@ class PipeliningLayer(base_layer.BaseLayer):
     Returns the whole batch's outputs, and, if any cell fetches activations,
     (outputs, NestedMap of activations).
     """
-    args = self._Before(theta, inputs)
+    args = self.BeforeFProp(theta, inputs)
     training = py_utils.CurrentContext().training
-    _, num = self._MicroBatching(args)
-    thetas = self._ChunkThetas(theta)
+    _, num = self.MicroBatching(args)
+    thetas = self.ChunkThetas(theta)
     if training:
-      outputs, acts = self._DifferentiablePipeline(thetas, args, num)
+      outputs, acts = training_pass.DifferentiableForward(self, thetas, args, num)
     else:
       run = replicas.Replicas(self, thetas, args, num, remat='always', step=0,
-                              keep_inputs=False, tracer=self._Tracer())
-      run.Execute([s.action for s in self._Schedule(num).steps
+                              keep_inputs=False, tracer=self.Tracer())
+      run.Execute([s.action for s in self.ScheduleFor(num).steps
                    if s.action.kind == schedule_lib.FORWARD])
       outputs, acts = run.MergedOutputs()
-    return self._Result(outputs, acts)
+    return self.Result(outputs, acts)
 
   @tf.autograph.experimental.do_not_convert
   def ForwardBackward(self, theta, inputs, loss_fn, labels=None, with_outputs=False,
@@ -406,78 +401,33 @@ class PipeliningLayer(base_layer.BaseLayer):
       NestedMap, the first value is the NestedMap of merged (value, weight). With
       with_outputs, (loss, grads, outputs).
     """
-    loss_contract.CheckReduction(loss_reduction)
-    args, before_tape = self._BeforeWithTape(theta, executor.AsArgs(inputs))
-    rows, num = self._MicroBatching(args)
-    microbatch.CheckLabels(labels, rows, self.params.batch_dim)
-    sched = self._Schedule(num)
-    # Only `before` layers take the gradients of the cells' arguments.
-    run = replicas.Replicas(self, self._ChunkThetas(theta), args, num, self.params.remat,
-                            self._Step(), split=_SplitBackwards(sched), tracer=self._Tracer(),
-                            need_input_grads=before_tape is not None,
-                            keep_outputs=with_outputs or sched.whole_batch_loss)
-    loss_scale = py_utils.CurrentContext().loss_scale
-    micro_loss_fn = None if sched.whole_batch_loss else loss_contract.MicroBatchLoss(
-        loss_fn, loss_reduction, num * self.num_replicas, rows, self.params.batch_dim,
-        schedule_lib.Name(self.params.schedule))
+    return training_pass.ForwardBackward(self, theta, inputs, loss_fn, labels, with_outputs,
+                                         loss_reduction)
 
-    def OnLoss(one, m):
-      if one is None:  # L(*): the whole batch's loss, once over every replica.
-        outputs, acts = run.MergedOutputs()
-        batch_metrics, d_outputs, d_acts = self._LossGradients(loss_fn, loss_scale, outputs,
-                                                               acts, labels)
-        run.SetOutputGradients(d_outputs, d_acts)
-      else:
-        outputs, acts = one.MicroBatchOutputs(m)
-        rows = None if labels is None else one.MicroBatchRows(*label_parts[one.replica], m)
-        batch_metrics, d_outputs, d_acts = self._LossGradients(micro_loss_fn, loss_scale,
-                                                               outputs, acts, rows)
-        one.SetMicroBatchOutputGradients(m, d_outputs, d_acts)
-      # (NestedMap of (value, weight), whether loss_fn returned a NestedMap)
-      return batch_metrics
+  # -- what a pass uses (training_pass.py) ----------------------------------------
 
-    with tf.device(self.ReplicaDevices(0)[-1]):
-      label_parts = None if labels is None or sched.whole_batch_loss else self._SplitLabels(
-          labels, num)
-      run.Execute([s.action for s in sched.steps], OnLoss)
-    base_layer.ApplyRecordedUpdates(run.updates)
-    metrics = run.losses
-    merged = metrics_lib.MergeMetrics([m for m, _ in metrics])
-    # The backward differentiated value * weight (* loss_scale) of each call: divide by the
-    # total weight (and the scale).
-    weight = merged.loss[1]
-    scale = 1.0 / (weight if loss_scale is None else weight * tf.cast(loss_scale, weight.dtype))
-    grads = py_utils.NestedMap(
-        before=theta.before if before_tape is None else self._BeforeGradients(
-            theta, before_tape, args, run.MergedInputGradients()),
-        cell=run.theta_grads).Transform(lambda g: g * tf.cast(scale, g.dtype))
-    loss = merged if metrics[0][1] else merged.loss[0]
-    return (loss, grads, self._Result(*run.MergedOutputs())) if with_outputs else (loss, grads)
-
-  # -- internals -------------------------------------------------------------------
-
-  def _MicroBatching(self, args):
+  def MicroBatching(self, args):
     """(the whole batch's rows (an int, or a tensor if unknown at trace time), M)."""
     rows = microbatch.BatchSize(args, self.params.batch_dim)
     return rows, self.NumMicroBatches(rows if isinstance(rows, int) else None)
 
-  def _Tracer(self):
+  def Tracer(self):
     """A StepTracer when the context collects step timings, else None."""
     records = py_utils.CurrentContext().step_stats
     return None if records is None else step_timing.StepTracer(records, self._clocks)
 
-  def _Step(self):
+  def PassStep(self):
     """This training pass's step (BaseLayer.TrainingStep), read once for all its cells."""
     with tf.device(self._devices[0]):
       return tf.cast(self.TrainingStep(), tf.int64)
 
-  def _Result(self, outputs, acts):
+  def Result(self, outputs, acts):
     """Unwraps a single output from its argument tuple; appends fetched activations."""
     if isinstance(outputs, tuple) and len(outputs) == 1:
       outputs = outputs[0]
     return (outputs, acts) if acts else outputs
 
-  def _ChunkThetas(self, theta):
+  def ChunkThetas(self, theta):
     """Each chunk's theta as tensors read on that chunk's device."""
     thetas = []
     for c, device in enumerate(self.ReplicaDevices(0)):
@@ -485,109 +435,12 @@ class PipeliningLayer(base_layer.BaseLayer):
         thetas.append(tf.nest.map_structure(tf.convert_to_tensor, theta.cell[c]))
     return thetas
 
-  def _Before(self, theta, inputs):
+  def BeforeFProp(self, theta, inputs):
     args = tuple(inputs)
     with tf.device(self._devices[0]):
       for layer, layer_theta in zip(self.before, theta.before):
         args = executor.AsArgs(layer.FProp(layer_theta, *args))
     return args
-
-  def _BeforeWithTape(self, theta, args):
-    if not self.before:
-      return args, None
-    tape = tf.GradientTape(watch_accessed_variables=False)
-    with tape:
-      tape.watch([x for x in tf.nest.flatten(theta.before) if py_utils.IsFloatTensor(x)])
-      args = self._Before(theta, args)
-    return args, tape
-
-  def _BeforeGradients(self, theta, tape, args, d_args):
-    pairs = [(a, g) for a, g in zip(tf.nest.flatten(args), tf.nest.flatten(d_args))
-             if g is not None]
-    with tf.device(self._devices[0]):
-      grads = tape.gradient([a for a, _ in pairs], tf.nest.flatten(theta.before),
-                            output_gradients=[g for _, g in pairs],
-                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    return tf.nest.pack_sequence_as(theta.before, grads)
-
-  def _SplitLabels(self, labels, num):
-    """Per replica, (its rows of `labels`, their micro-batches): split as executor.Replicas
-    splits the inputs (replicas first, then micro-batches)."""
-    batch_dim = self.params.batch_dim
-    parts = microbatch.Split(labels, self.num_replicas, batch_dim) if (
-        self.num_replicas > 1) else [labels]
-    return [(part, microbatch.Split(part, num, batch_dim)) for part in parts]
-
-  def _LossGradients(self, loss_fn, loss_scale, outputs, acts, labels=None):
-    """loss_fn's metrics and the gradients of value * weight (* loss_scale, unless None) of
-    their loss: 0 for a weight of 0, also where the value is NaN (a mean over no items: an
-    empty micro-batch, or one whose rows all weigh 0), as a whole batch holding them would
-    have it."""
-    floats = [x for x in tf.nest.flatten((outputs, acts)) if py_utils.IsFloatTensor(x)]
-    with tf.GradientTape() as tape:
-      tape.watch(floats)
-      result = self._Result(outputs, acts)
-      args = result if acts else (result,)
-      value = loss_fn(*args) if labels is None else loss_fn(*args, labels)
-      metrics = metrics_lib.AsMetrics(value)
-      loss, weight = metrics.loss
-      weighted = loss * tf.stop_gradient(weight)
-      if loss_scale is not None:
-        weighted *= tf.cast(loss_scale, weighted.dtype)
-    loss_contract.RefuseWeightsRead(self, tape.watched_variables())
-    grads = tape.gradient(weighted, floats, unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    weighs = tf.not_equal(weight, 0)
-    grads = iter(tf.where(weighs, g, tf.zeros_like(g)) for g in map(tf.convert_to_tensor, grads))
-    d_outputs, d_acts = tf.nest.map_structure(
-        lambda x: next(grads) if py_utils.IsFloatTensor(x) else None, (outputs, acts))
-    return (metrics, isinstance(value, dict)), d_outputs, d_acts
-
-  def _DifferentiablePipeline(self, thetas, args, num):
-    """The training forward, with the pipelined backward as its custom gradient: the
-    schedule's actions before its whole-batch loss L(*), then, in the gradient, after it."""
-    sched = self._Schedule(num)
-    if not sched.whole_batch_loss:
-      raise ValueError(f"FProp in training (the context's training=True, the default) runs "
-                       f"fill-drain ('gpipe'); schedule="
-                       f"{schedule_lib.Name(self.params.schedule)!r} trains through "
-                       "ForwardBackward, and runs FProp's forwards in py_utils.EvalMode().")
-    actions = [s.action for s in sched.steps]
-    loss_at = next(i for i, a in enumerate(actions) if a.kind == schedule_lib.LOSS)
-    step = self._Step()
-    tracer = self._Tracer()
-    flat_theta, flat_args = tf.nest.flatten(thetas), tf.nest.flatten(args)
-    arg_pos = [i for i, x in enumerate(flat_args) if isinstance(x, tf.Tensor)]
-    box = {}
-
-    @tf.custom_gradient
-    def Pipeline(*tensors):
-      # stop_gradient: the caller's tape must not record (and keep) cell internals.
-      stopped = [tf.stop_gradient(x) for x in tensors]
-      run_args = py_utils.Replaced(flat_args, arg_pos, stopped[len(flat_theta):])
-      run = replicas.Replicas(self, tf.nest.pack_sequence_as(thetas, stopped[:len(flat_theta)]),
-                              tf.nest.pack_sequence_as(args, run_args), num, self.params.remat,
-                              step, split=_SplitBackwards(sched), tracer=tracer)
-      run.Execute(actions[:loss_at])
-      structure = run.MergedOutputs()
-      flat_out = tf.nest.flatten(structure)
-      out_pos = [i for i, x in enumerate(flat_out) if isinstance(x, tf.Tensor)]
-      box.update(run=run, structure=structure, flat_out=flat_out, out_pos=out_pos)
-
-      def Grad(*d_tensors):
-        d_out = tf.nest.pack_sequence_as(
-            structure, py_utils.Replaced([None] * len(flat_out), out_pos, d_tensors))
-        run.SetOutputGradients(*d_out)
-        run.Execute(actions[loss_at + 1:])
-        d_args = tf.nest.flatten(run.MergedInputGradients())
-        return tf.nest.flatten(run.theta_grads) + [d_args[i] for i in arg_pos]
-
-      return [flat_out[i] for i in out_pos], Grad
-
-    out_tensors = Pipeline(*flat_theta, *[flat_args[i] for i in arg_pos])
-    base_layer.ApplyRecordedUpdates(box['run'].updates)
-    flat_out = py_utils.Replaced(box['flat_out'], box['out_pos'], out_tensors)
-    return tf.nest.pack_sequence_as(box['structure'], flat_out)
-
 
 # -- partitioning ------------------------------------------------------------------
 

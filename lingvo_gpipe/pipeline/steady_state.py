@@ -73,7 +73,7 @@ def Windows(actions, same=lambda a, b: True, max_stride=8):
   """Non-overlapping Windows of `actions` (a schedule's, in the order they run), in order.
 
   No window holds the first action of a kind and chunk (nor so the first loss):
-  what their traces make (gradient sums, the loss probe's verdict) is made once,
+  what their traces make (gradient sums) is made once,
   before. `same(a, b)` says whether two actions of one kind and chunk may share
   one trace (their micro-batches are alike: size, re-materialized or not).
   """
