@@ -1,4 +1,4 @@
-"""The pipeline executor: runs a schedule's actions (schedule.py) one by one.
+"""The pipeline executor: runs a schedule's actions (schedule_actions.py) one by one.
 
 The executor is Python that runs once, while the step is traced: it emits
 each action's ops in the schedule's order, and from then on only the graph
@@ -39,11 +39,11 @@ import tensorflow as tf
 from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.pipeline import cell_functions
 from lingvo_gpipe.pipeline import microbatch
-from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import schedule_actions
 from lingvo_gpipe.pipeline import steady_state
 
-F, B, W, BW, L = (schedule_lib.FORWARD, schedule_lib.INPUT_GRAD, schedule_lib.WEIGHT_GRAD,
-                  schedule_lib.BACKWARD, schedule_lib.LOSS)
+F, B, W, BW, L = (schedule_actions.FORWARD, schedule_actions.INPUT_GRAD,
+                  schedule_actions.WEIGHT_GRAD, schedule_actions.BACKWARD, schedule_actions.LOSS)
 
 
 def AsArgs(value):
@@ -303,7 +303,7 @@ class Pass:
     handed_over = []
     if c + 1 < self.num_chunks:
       self.inputs[(m, c + 1)], handed_over = self._HandOver(
-          c, schedule_lib.Action(F, m, c + 1), out)
+          c, schedule_actions.Action(F, m, c + 1), out)
     else:
       if self.keep_outputs:
         self.outputs[m] = out
@@ -325,7 +325,7 @@ class Pass:
     if c == 0:
       self.input_grads[m] = d_args
       return []
-    consumer = schedule_lib.Action(B if (m, c - 1) in self.split else BW, m, c - 1)
+    consumer = schedule_actions.Action(B if (m, c - 1) in self.split else BW, m, c - 1)
     self.out_grads[(m, c - 1)], handed_over = self._HandOver(c, consumer, d_args)
     return handed_over
 
@@ -492,7 +492,7 @@ class Replicas:
     awaited = _FirstActions(actions, self._layer.placement)
     for one in self.passes:
       one.awaited = awaited
-      one.losses_follow = any(a.kind == L and a.micro_batch != schedule_lib.ALL
+      one.losses_follow = any(a.kind == L and a.micro_batch != schedule_actions.ALL
                               for a in actions)
     done = 0
     for window in self._Windows(actions):
@@ -516,8 +516,8 @@ class Replicas:
     return steady_state.Windows(actions, one.SameTrace)
 
   def _Run(self, action, on_loss):
-    if action.kind == L and action.micro_batch == schedule_lib.ALL:
-      self._whole_batch_losses.append(on_loss(None, schedule_lib.ALL))
+    if action.kind == L and action.micro_batch == schedule_actions.ALL:
+      self._whole_batch_losses.append(on_loss(None, schedule_actions.ALL))
     elif action.kind == L:
       for one in self.passes:
         with tf.device(one.devices[action.chunk]):

@@ -43,8 +43,10 @@ from lingvo_gpipe.pipeline import executor
 from lingvo_gpipe.pipeline import loss_probe
 from lingvo_gpipe.pipeline import metrics as metrics_lib
 from lingvo_gpipe.pipeline import microbatch
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import schedule_actions
 from lingvo_gpipe.pipeline import step_timing
 
 REMAT_MODES = ('always', 'except_last', 'never')
@@ -88,7 +90,7 @@ class FeatureExtractionLayer(layers.SequentialLayer):
 def _SplitBackwards(sched):
   """(micro-batch, chunk) pairs whose backward the schedule splits into B and W."""
   return {(s.action.micro_batch, s.action.chunk) for s in sched.steps
-          if s.action.kind == schedule_lib.WEIGHT_GRAD}
+          if s.action.kind == schedule_actions.WEIGHT_GRAD}
 
 
 class PipeliningLayer(base_layer.BaseLayer):
@@ -127,7 +129,7 @@ class PipeliningLayer(base_layer.BaseLayer):
              "remat_policy: 'none', 'every_layer', 'every_N' (e.g. 'every_2'), or layer names "
              "joined by '+' whose outputs are kept (a cell holding none is one segment).")
     p.Define('schedule', 'gpipe',
-             f'One of {list(schedule_lib.SCHEDULE_NAMES)}: fill-drain (also under a tape), '
+             f'One of {list(named_schedules.SCHEDULE_NAMES)}: fill-drain (also under a tape), '
              '1F1B, interleaved 1F1B, zero-bubble H1/H2 and V (ForwardBackward); or your own '
              'orders for this K, M and v as a schedule text (schedule.Schedule.ToText).')
     p.Define('virtual_stages', 1,
@@ -372,7 +374,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       run = executor.Replicas(self, thetas, args, num, remat='always', step=0,
                               keep_inputs=False, tracer=self._Tracer())
       run.Execute([s.action for s in self._Schedule(num).steps
-                   if s.action.kind == schedule_lib.FORWARD])
+                   if s.action.kind == schedule_actions.FORWARD])
       outputs, acts = run.MergedOutputs()
     return self._Result(outputs, acts)
 
@@ -550,7 +552,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                        f"{schedule_lib.Name(self.params.schedule)!r} trains through "
                        "ForwardBackward, and runs FProp's forwards in py_utils.EvalMode().")
     actions = [s.action for s in sched.steps]
-    loss_at = next(i for i, a in enumerate(actions) if a.kind == schedule_lib.LOSS)
+    loss_at = next(i for i, a in enumerate(actions) if a.kind == schedule_actions.LOSS)
     step = self._Step()
     tracer = self._Tracer()
     flat_theta, flat_args = tf.nest.flatten(thetas), tf.nest.flatten(args)
