@@ -14,7 +14,7 @@ from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.layers import profiler
 from lingvo_gpipe.pipeline import cell_functions
 from lingvo_gpipe.pipeline import gpipe
-from lingvo_gpipe.pipeline import schedule
+from lingvo_gpipe.pipeline import named_schedules
 
 DIM, HIDDEN, BATCH = 8, 16, 16
 
@@ -111,7 +111,7 @@ GRID = list(itertools.product([1, 2, 4], [1, 2, 4, 8], gpipe.REMAT_MODES))
 
 
 @pytest.mark.parametrize('k,m,remat', GRID)
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testForwardBackwardIsExact(k, m, remat, sched):
   pipe = _Pipe(k, m, remat, sched)
   x = _Input()
@@ -125,7 +125,7 @@ def testForwardBackwardIsExact(k, m, remat, sched):
 
 @pytest.mark.parametrize('k,m,r', [(3, 3, 1), (2, 3, 2), (4, 1, 2), (3, 2, 2)])
 @pytest.mark.parametrize('remat', gpipe.REMAT_MODES)
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testEveryScheduleIsExactWithOddSizesAndReplicas(sched, remat, k, m, r):
   """K = 3, M = 3 (the batch not a power of 2), M < K, and R = 2 replicas."""
   def Build():
@@ -202,7 +202,7 @@ def testSplitWeightGradientsOfSharedAndBorrowedWeightsAreExact(sched, remat):
   _AssertGradsClose(tf.nest.flatten([c.sub for c in grads.cell]), ref)
 
 
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testEvalThenTrainWithEverySchedule(sched):
   """Eval runs the schedule's forwards on its placement (zbv's V included), then training
   still gives the plain model's gradients."""
@@ -235,7 +235,7 @@ def testFPropUnderTapeIsExact(k, m, remat):
   assert _RelErr(grads[-1], tape.gradient(ref_x_loss, x)) <= 1e-5
 
 
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testEagerStepsTraceEachCellFunctionOnce(sched, caplog):
   """Every later micro-batch and step reuses the cells' traced functions: a retrace costs
   time, and TensorFlow warns about it (eagerly) as if the user had made a mistake. With
@@ -348,7 +348,7 @@ class _MapProj(layers.ProjectionLayer):
 
 
 @pytest.mark.parametrize('remat', ['always', 'never'])
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testNestedMapInputsWithIntegerLeavesAndBeforeLayers(sched, remat):
   """A before layer trains through the first chunk's input gradients, which every schedule
   takes only when such a layer needs them."""
@@ -387,7 +387,7 @@ def testNestedMapInputsWithIntegerLeavesAndBeforeLayers(sched, remat):
     _AssertGradsClose(tape.gradient(tape_loss, pipe.trainable_variables), ref_grads)
 
 
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testWeightedMetricsMergeExactly(sched):
   """(value, weight) metrics of micro-batches merge to the whole batch's."""
   pipe = _Pipe(2, 4, 'always', sched)
@@ -442,7 +442,7 @@ def testFetchedActivations():
   with tf.GradientTape() as tape:
     loss = Loss(*pipe(x))
   _AssertGradsClose(tape.gradient(loss, pipe.trainable_variables), ref_grads)
-  for sched in [name for name in schedule.SCHEDULE_NAMES if name not in _V]:
+  for sched in [name for name in named_schedules.SCHEDULE_NAMES if name not in _V]:
     p = pipe.params.Copy().Set(schedule=sched)
     other = p.Instantiate()
     for a, b in zip(other.variables, pipe.variables):
@@ -488,7 +488,7 @@ def _CalledNodes(library, node, caller_device=''):
   return nodes
 
 
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testEveryOpOfCellKRunsOnDeviceK(sched):
   pipe = _Pipe(4, 4, 'always', sched)
 
@@ -625,7 +625,7 @@ def testASplitWeightGradientWalksNoActivationChain(sched, layer):
   assert all(fn.splits for fn in pipe.cell_functions[0])
 
 
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testScheduleOrdersTheGraph(sched):
   """Each action's inputs wait on the device's previous action (control edges, or data
   when the previous action made them)."""
@@ -648,7 +648,7 @@ def testScheduleOrdersTheGraph(sched):
       assert prev_name in waits_on, (name, waits_on)
 
 
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testABatchHeldElsewhereReachesTheFirstDeviceAMicroBatchAtATime(sched):
   """Micro-batch m leaves the batch's device (CPU:3) once the first device has run its action
   two before F(m, 0), so that device holds the micro-batches it runs now and next, not the
@@ -852,7 +852,7 @@ def testRecomputeUsesTheStepOfItsForwardWhereverTheTapeIsAsked():
   _AssertGradsClose(grads, [by_name[v.name] for v in pipe.trainable_variables])
 
 
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testEveryScheduleGivesTheWholeBatchLossOfAScalarSumOrMean(sched):
   """A bare scalar merges as its declared loss_reduction says, also at M=1, where the one
   micro-batch is the batch."""
@@ -870,7 +870,7 @@ def testEveryScheduleGivesTheWholeBatchLossOfAScalarSumOrMean(sched):
     _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
 
 
-@pytest.mark.parametrize('sched', [n for n in schedule.SCHEDULE_NAMES if n != 'gpipe'])
+@pytest.mark.parametrize('sched', [n for n in named_schedules.SCHEDULE_NAMES if n != 'gpipe'])
 def testABareScalarOfAMicroBatchScheduleNeedsADeclaredReduction(sched):
   """Not guessed: a bare scalar without loss_reduction is a ValueError naming the ways out;
   'gpipe', which calls the loss once on the whole batch, takes it; a pair needs none; an
@@ -920,7 +920,7 @@ def testAMicroBatchLossReadingAWholeBatchTensorIsAClearError():
     Step(_Input())
 
 
-@pytest.mark.parametrize('sched', [n for n in schedule.SCHEDULE_NAMES if n != 'gpipe'])
+@pytest.mark.parametrize('sched', [n for n in named_schedules.SCHEDULE_NAMES if n != 'gpipe'])
 def testALossReadingATensorOfTheStepEqualsThePlainModel(sched):
   """A loss scaled by a tensor computed in the traced step: a mean on 16 and on 3 rows (one
   micro-batch empty), a sum and a (value, weight) pair on 10 (micro-batches 3, 3, 2, 2), in
@@ -1005,7 +1005,7 @@ def _AssertUnevenExact(pipe, x, loss_fn, step_fn=None):
 
 
 @pytest.mark.parametrize('remat', gpipe.REMAT_MODES)
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testUnevenMicroBatchesAreExact(sched, remat):
   """Batch 10, M=4 (3, 3, 2, 2) with dropout: every schedule and remat mode equals the
   whole batch on one device; a mean loss is weighted by micro-batch size."""
@@ -1025,7 +1025,7 @@ def testXlaCompiledCellsWithDropoutEqualThePlainModel(sched):
       _UnevenPipe(sched, remat, jit_compile=True)
 
 
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testUnevenMicroBatchesWithSumAndPairLossesAndUnevenReplicas(sched):
   """Sum and (value, weight) losses; 11 rows on 2 replicas: 6 (2, 2, 1, 1) and 5 (2, 1, 1, 1)."""
   pipe = _UnevenPipe(sched, 'always')
@@ -1040,7 +1040,7 @@ def _LabelLoss(y, labels):
   return tf.reduce_mean(weights[:, None] * tf.square(y - targets))
 
 
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testLabelsAreSplitAsTheInputsAndOutputsAreReturned(sched):
   """11 rows on 2 replicas, M=4: each micro-batch's loss reads its own rows of the labels;
   with_outputs returns the whole batch's outputs."""
@@ -1099,7 +1099,7 @@ def testAMicroBatchOfWeightZeroAddsNothingEvenWhenItsValueIsNaN(sched):
 
 
 @pytest.mark.parametrize('remat', gpipe.REMAT_MODES)
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testABatchSmallerThanMTrainsExactly(sched, remat):
   """3 rows, M=4 (micro-batches 1, 1, 1 and an empty one), dropout: mean, sum and (value,
   weight) losses equal the whole batch on one device, and so does one that fails on no rows
@@ -1472,7 +1472,7 @@ def testEveryLayerPipelinesLikeItsMicroBatchedPlainRun(case):
 # -- data parallelism: R replicas of a K-stage pipeline --------------------------------
 
 
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testReplicasTrainLikeOneDeviceOnTheWholeBatch(sched):
   pipe = _Pipe(2, 2, 'always', sched, num_replicas=2)
   assert pipe.ReplicaDevices(1) == [pipe.devices[2 + k] for k in pipe.placement]

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe.foundation import py_utils
-from lingvo_gpipe.pipeline import schedule
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.runners import keras_pipeline
 
 _STEPS, _BATCH = 20, 16
@@ -108,7 +108,7 @@ def _Schedule(sched):
   return dict(num_stages=2, schedule=sched, virtual_stages=_V.get(sched, 1))
 
 
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testEveryScheduleTrainsLikeSequential(sched):
   """20 steps of batches of 14 rows, M=4 (micro-batches of 4, 4, 3 and 3), dropout: the
   logged loss and metric, the weights, evaluate() and predict() equal the Sequential's."""
@@ -124,7 +124,7 @@ def testEveryScheduleTrainsLikeSequential(sched):
                              ref.predict(x[:7], verbose=0), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testEveryScheduleTrainsBatchNormAndDropoutLikeSequential(sched):
   """M=1, where batch norm's statistics are the whole batch's as in the Sequential."""
   pipe, ref = _WithDropoutAndItsReference(1, batch_norm=True, num_micro_batches=1,
@@ -192,7 +192,7 @@ def testCallbacksValidationSaveLoadAndExport(tmp_path):
 
 
 @pytest.mark.parametrize('sched,examples,num_micro', [
-    ('gpipe', 40, 3), ('zbv', 40, 3)] + [(s, 34, 4) for s in schedule.SCHEDULE_NAMES])
+    ('gpipe', 40, 3), ('zbv', 40, 3)] + [(s, 34, 4) for s in named_schedules.SCHEDULE_NAMES])
 def testPartialLastBatchTrainsLikeSequential(sched, examples, num_micro):
   """Batches of 16, 16 and a partial one, with dropout: 40 examples at M=3 (micro-batches
   6, 5, 5 and 3, 3, 2), and 34 at M=4, whose last batch of 2 leaves micro-batches of 1, 1, 0

@@ -1,4 +1,5 @@
-"""Tests of layers_with_gpipe: every stack, split and micro-batched, equals its unpipelined run.
+"""Tests of layers_with_gpipe and its state_layers: every stack, split and micro-batched,
+equals its unpipelined run.
 
 The reference is a plain SequentialLayer of the stack's own LayerParams on one
 device, with the pipeline's weights copied by each layer's path below its cell
@@ -17,6 +18,7 @@ from lingvo_gpipe import layers
 from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.layers import profiler
 from lingvo_gpipe.models import layers_with_gpipe as lg
+from lingvo_gpipe.models import state_layers
 from lingvo_gpipe.models import tasks
 from lingvo_gpipe.pipeline import gpipe
 from lingvo_gpipe.training import learner
@@ -222,7 +224,7 @@ def _Sinusoids(length, depth):
 
 
 def testEmbeddingLayerMatchesNumpy():
-  layer = lg.GPipeEmbeddingLayer.Params().Set(
+  layer = state_layers.GPipeEmbeddingLayer.Params().Set(
       name='emb', stream='src', vocab_size=_VOCAB, embedding_dim=6, max_len=8).Instantiate()
   state = NestedMap(src=_Sequence([5, 2], _S, 1, labeled=False), other=tf.ones([2, 3]))
   out = layer.FProp(layer.theta, state)
@@ -235,14 +237,15 @@ def testEmbeddingLayerMatchesNumpy():
 
 @pytest.mark.parametrize('tied', [False, True])
 def testSoftmaxLayerMatchesNumpy(tied):
-  p = lg.GPipeSoftmaxLayer.Params().Set(name='softmax', input_dim=6, num_classes=_VOCAB,
-                                        label_smoothing=0.1, tie_embedding=tied)
+  p = state_layers.GPipeSoftmaxLayer.Params().Set(name='softmax', input_dim=6,
+                                                  num_classes=_VOCAB, label_smoothing=0.1,
+                                                  tie_embedding=tied)
   layer = p.Instantiate()
   seq = _Sequence([5, 2], _S, 1, labeled=True)
   seq.vecs = tf.random.stateless_normal([2, _S, 6], [3, 4])
   if tied:
-    emb = lg.GPipeEmbeddingLayer.Params().Set(name='emb', vocab_size=_VOCAB,
-                                              embedding_dim=6).Instantiate()
+    emb = state_layers.GPipeEmbeddingLayer.Params().Set(name='emb', vocab_size=_VOCAB,
+                                                        embedding_dim=6).Instantiate()
     layer.ShareEmbedding(emb)
     assert layer.vars.softmax.proj.emb is emb.vars.emb.emb
     w = emb.vars.emb.emb.numpy().T
@@ -380,13 +383,14 @@ def testATemplateFieldEqualToTheStacksValueIsFine():
 def testATemplateReplacedByFreshParamsTakesTheStacksValues():
   """Lingvo's p.decoder_tpl = Layer.Params().Set(...): its class defaults are not the user's
   settings; a field set away from them still is."""
-  p = _SeqStack(decoder_tpl=lg.GPipeTransformerLayer.Params().Set(activation='GELU'))
+  p = _SeqStack(decoder_tpl=state_layers.GPipeTransformerLayer.Params().Set(activation='GELU'))
   stack = p.Instantiate()
   dec = stack.LayersByPath()['stack/dec0']
   assert (dec.params.num_heads, dec.params.input_dim, dec.params.activation) == (2, 8, 'GELU')
   with pytest.raises(ValueError, match=r'decoder_tpl.hidden_dim is 7, but the stack sets it '
                      r'from its hidden_dim \(16\)'):
-    _SeqStack(decoder_tpl=lg.GPipeTransformerLayer.Params().Set(hidden_dim=7)).Instantiate()
+    _SeqStack(
+        decoder_tpl=state_layers.GPipeTransformerLayer.Params().Set(hidden_dim=7)).Instantiate()
   with pytest.raises(ValueError, match=r"decoder_tpl.mask_self_atten is False, but the stack "
                      r"sets it to True by the layer's place in it"):
     _SeqStack(**{'decoder_tpl.mask_self_atten': False}).Instantiate()

@@ -18,6 +18,7 @@ from lingvo_gpipe.insight import pipeline_stats
 from lingvo_gpipe.insight import simulator
 from lingvo_gpipe.pipeline import cell_functions
 from lingvo_gpipe.pipeline import gpipe
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.pipeline import schedule
 
 T0 = 100.0
@@ -299,7 +300,7 @@ def _MeasuredGraph(pipe):
   return Step.get_concrete_function().graph
 
 
-@pytest.mark.parametrize('sched', schedule.SCHEDULE_NAMES)
+@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
 def testMeasuringAddsNoWaitBetweenStages(sched):
   """In the measured graph an action waits only for its device and its schedule
   dependencies."""

@@ -10,7 +10,7 @@ from lingvo_gpipe.foundation import memory_stats
 from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.layers import remat
 from lingvo_gpipe.pipeline import gpipe
-from lingvo_gpipe.pipeline import schedule
+from lingvo_gpipe.pipeline import named_schedules
 
 DIM, BATCH = 8, 8
 POLICIES = ['none', 'every_layer', 'every_2', 'r1+r3']
@@ -147,7 +147,7 @@ def testBatchNormStatisticsAreRecordedOnceAsWithoutRemat(policy):
 
 
 @pytest.mark.parametrize('policy,sched,remat_mode', pairwise.EveryPair(
-    POLICIES, schedule.SCHEDULE_NAMES, gpipe.REMAT_MODES))
+    POLICIES, named_schedules.SCHEDULE_NAMES, gpipe.REMAT_MODES))
 def testPipelineEqualsThePlainModel(policy, sched, remat_mode):
   """Every policy with every remat mode and every schedule, and every remat mode with
   every schedule: loss and gradients of the plain layers on the whole batch, dropout

@@ -1,15 +1,18 @@
-"""Tests of lingvo_gpipe.pipeline.schedule: the action IR, its checker and the named schedules."""
+"""Tests of lingvo_gpipe.pipeline.schedule, schedule_actions and named_schedules: the action IR,
+its checker and the named schedules."""
 
 import itertools
 
 import pytest
 
 from lingvo_gpipe.insight import simulator
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.pipeline import schedule
+from lingvo_gpipe.pipeline import schedule_actions
 
-A = schedule.Action
+A = schedule_actions.Action
 F, B, W, BW, L = 'F', 'B', 'W', 'BW', 'L'
-ALL = schedule.ALL
+ALL = schedule_actions.ALL
 # Each named schedule with the chunks per device it runs in these tests.
 NAMED = [('gpipe', 1), ('1f1b', 1), ('interleaved_1f1b', 2), ('interleaved_1f1b', 3),
          ('zb_h1', 1), ('zb_h2', 1), ('zbv', 2)]
@@ -27,7 +30,7 @@ def _CheckRun(sched):
   for s in sched.steps:
     a = s.action
     assert s.stage == sched.placement[a.chunk]
-    cost = schedule.UNIT_COSTS[a.kind]
+    cost = schedule_actions.UNIT_COSTS[a.kind]
     for t in range(s.clock, s.clock + cost):
       assert (s.stage, t) not in busy, s
       busy.add((s.stage, t))
@@ -307,7 +310,7 @@ def testCheckerFindsADeadlock():
 def testSimulateWithMeasuredCosts():
   sched = schedule.Schedule('zb_h1', 2, 2)
   cost = {F: 1.0, B: 2.0, W: 0.5, BW: 2.5, L: 0.0}
-  times = schedule.Simulate(sched.orders, sched.placement, 2, lambda a: cost[a.kind])
+  times = schedule_actions.Simulate(sched.orders, sched.placement, 2, lambda a: cost[a.kind])
   assert times[A(F, 0, 1)] == (1.0, 2.0)  # After F(0, 0) on the other device.
   assert times[A(B, 0, 1)] == (2.0, 4.0)  # The loss costs nothing here.
   assert times[A(W, 0, 1)][1] - times[A(W, 0, 1)][0] == 0.5
@@ -329,4 +332,4 @@ def testBadArguments(args, match):
   with pytest.raises(ValueError, match=match):
     schedule.Schedule(*args)
   with pytest.raises(ValueError, match=match):  # What the simulator and planner call.
-    schedule.Orders(*args)
+    named_schedules.Orders(*args)

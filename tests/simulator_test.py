@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.insight.simulator against schedule.Simulate and closed forms."""
+"""Tests of lingvo_gpipe.insight.simulator against schedule_actions.Simulate and closed forms."""
 
 import itertools
 import time
@@ -8,16 +8,17 @@ import pytest
 
 from lingvo_gpipe.insight import simulator
 from lingvo_gpipe.pipeline import schedule
+from lingvo_gpipe.pipeline import schedule_actions
 
-A = schedule.Action
+A = schedule_actions.Action
 NAMED = [('gpipe', 1), ('1f1b', 1), ('interleaved_1f1b', 2), ('zb_h1', 1), ('zb_h2', 1),
          ('zbv', 2)]
 
 
 def _Reference(sched, costs):
-  """schedule.Simulate with [4, C, M] cost arrays (F, B, W, BW), as (start, end) arrays."""
+  """schedule_actions.Simulate with [4, C, M] cost arrays (F, B, W, BW), as (start, end) arrays."""
   code = {'F': 0, 'B': 1, 'W': 2, 'BW': 3}
-  times = schedule.Simulate(
+  times = schedule_actions.Simulate(
       sched.orders, sched.placement, sched.num_micro_batches,
       lambda a: 0.0 if a.kind == 'L' else costs[code[a.kind], a.chunk, a.micro_batch])
   start, end = np.full(costs.shape, np.nan), np.full(costs.shape, np.nan)
@@ -31,7 +32,7 @@ def _Reference(sched, costs):
 @pytest.mark.parametrize('name,v', NAMED)
 def testEveryActionEqualsScheduleSimulate(name, v, k, m):
   """With random costs per action kind, chunk and micro-batch, every start and end equals
-  the Python run of schedule.py, action by action."""
+  the Python run of schedule_actions.Simulate, action by action."""
   if name == 'interleaved_1f1b' and m > k and m % k:
     m = k  # Groups of K: the nearest size it runs.
   rng = np.random.default_rng(k * 100 + m)

@@ -10,11 +10,13 @@ from lingvo_gpipe import layers
 from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.pipeline import cell_functions
 from lingvo_gpipe.pipeline import gpipe
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import schedule_actions
 from lingvo_gpipe.pipeline import steady_state
 
 _V = {'interleaved_1f1b': 2, 'zbv': 2}
-_SCHEDULES = list(schedule_lib.SCHEDULE_NAMES)
+_SCHEDULES = list(named_schedules.SCHEDULE_NAMES)
 
 
 def _Actions(name, k, m):
@@ -33,7 +35,7 @@ def testAWindowIsItsPeriodRepeatedWithMicroBatchesFurtherOn(name):
     assert w.start >= end and w.repeats >= steady_state.MIN_REPEATS
     end = w.end
     period = actions[w.start:w.start + w.period]
-    repeated = [schedule_lib.Action(a.kind, a.micro_batch + r * w.stride, a.chunk)
+    repeated = [schedule_actions.Action(a.kind, a.micro_batch + r * w.stride, a.chunk)
                 for r in range(w.repeats) for a in period]
     assert actions[w.start:w.end] == repeated
     assert all(firsts[(a.kind, a.chunk)] < w.start for a in period)  # Traced before.

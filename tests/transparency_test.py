@@ -18,6 +18,7 @@ from lingvo_gpipe import layers
 from lingvo_gpipe.foundation import base_layer
 from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.models import layers_with_gpipe
+from lingvo_gpipe.models import state_layers
 from lingvo_gpipe.pipeline import gpipe
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import pipeline_params
@@ -61,19 +62,19 @@ class _TiedPipe(gpipe.PipeliningLayer):
 
 def _LayerParams():
   def Decoder(name, last):
-    return layers_with_gpipe.GPipeTransformerLayer.Params().Set(
+    return state_layers.GPipeTransformerLayer.Params().Set(
         name=name, stream='tgt', input_dim=DIM, num_heads=2, hidden_dim=16,
         mask_self_atten=True, residual_dropout_prob=DROP, relu_dropout_prob=DROP,
         final_layer_norm=last)
 
   return [
-      layers_with_gpipe.GPipeEmbeddingLayer.Params().Set(
+      state_layers.GPipeEmbeddingLayer.Params().Set(
           name='tgt_emb', vocab_size=VOCAB, embedding_dim=DIM, max_len=SEQ,
           dropout_prob=DROP),
       _StateBatchNorm.Params().Set(name='bn0'),
       Decoder('dec0', False),
       Decoder('dec1', True),
-      layers_with_gpipe.GPipeSoftmaxLayer.Params().Set(
+      state_layers.GPipeSoftmaxLayer.Params().Set(
           name='softmax', input_dim=DIM, num_classes=VOCAB, tie_embedding=True),
   ]
 

@@ -40,7 +40,7 @@ import time
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.runners import binaries
 import local_cluster
 
@@ -63,7 +63,7 @@ flags.DEFINE_integer('steps_per_call', 4, 'Training steps per client call.', low
 flags.DEFINE_integer('calls', 3, 'Timed calls per configuration.', lower_bound=1)
 flags.DEFINE_integer('bubble_steps', 3,
                      'Measured steps per M (the median bubble is kept); 0: none.', lower_bound=0)
-bench_utils.CheckChoices('schedules', schedule_lib.SCHEDULE_NAMES)
+bench_utils.CheckChoices('schedules', named_schedules.SCHEDULE_NAMES)
 bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: one measuring process (JSON config).')
 flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.

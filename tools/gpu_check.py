@@ -31,7 +31,7 @@ import time
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.runners import binaries
 
 flags.DEFINE_string('single', None, 'Internal: run one point given as JSON.')
@@ -54,7 +54,7 @@ flags.DEFINE_float('tolerance', 1e-5, 'Largest relative difference an exact row 
 flags.DEFINE_bool('quick', False, 'A dry run: --model is the exact model, K=2, the first two '
                   '--schedules, throughput in float16 only, 2 steps.')
 bench_utils.DefineJsonOut()
-bench_utils.CheckChoices('schedules', schedule_lib.SCHEDULE_NAMES)
+bench_utils.CheckChoices('schedules', named_schedules.SCHEDULE_NAMES)
 bench_utils.CheckChoices('dtypes', ('float32', 'bfloat16', 'float16'))
 FLAGS = flags.FLAGS
 flags.adopt_module_key_flags(bench_utils)  # Its Define* flags are this tool's.

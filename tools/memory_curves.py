@@ -46,6 +46,7 @@ import time
 from absl import flags
 import bench_utils
 from lingvo_gpipe.insight import simulator
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.pipeline import schedule as schedule_lib
 from lingvo_gpipe.runners import binaries
 import numpy as np
@@ -62,7 +63,7 @@ flags.DEFINE_integer('fixed_stages', 2, 'K of the M sweep.')
 bench_utils.DefineCounts('micro_batches', ['1', '4', '16', '32'], 'M values of the M sweep.')
 flags.DEFINE_integer('fixed_micro_batches', 16, 'M of the K sweep.')
 bench_utils.DefineCounts('stages', ['1', '2', '4'], 'K values of the K sweep.')
-flags.DEFINE_enum('schedule', 'gpipe', list(schedule_lib.SCHEDULE_NAMES), 'Pipeline schedule.')
+flags.DEFINE_enum('schedule', 'gpipe', list(named_schedules.SCHEDULE_NAMES), 'Pipeline schedule.')
 flags.DEFINE_list('schedules', None, 'Compare these schedules over --micro_batches at '
                   '--fixed_stages instead of the K and M sweeps.')
 flags.DEFINE_integer('micro_batch_rows', None, 'With --schedules: rows per micro-batch (the '
@@ -74,15 +75,15 @@ bench_utils.DefineCounts('remat_stages', ['1', '2'], 'K values of the every_N sw
 flags.DEFINE_integer('steps', 2, 'Steps measured per point (the largest peak and the median '
                      'time are kept); with --schedules, those of the largest M, and a smaller '
                      'M runs as many micro-batches.', lower_bound=1)
-bench_utils.CheckChoices('schedules', schedule_lib.SCHEDULE_NAMES)
+bench_utils.CheckChoices('schedules', named_schedules.SCHEDULE_NAMES)
 flags.DEFINE_integer('inter_op_threads', 1, 'Ops run at once; 1 makes the fit\'s premise hold.')
 flags.DEFINE_bool('per_device', False, 'With --schedules: run each point on K worker '
                   'processes (tools/local_cluster.py), each one device with its own allocator, '
                   'and report the fullest device\'s peak (and each device\'s) instead of the '
                   'peak of K logical devices sharing one.')
 flags.register_validator(
-    'schedules', lambda names: not names or set(names) <= set(schedule_lib.SCHEDULE_NAMES),
-    f'--schedules takes names of {list(schedule_lib.SCHEDULE_NAMES)}.')
+    'schedules', lambda names: not names or set(names) <= set(named_schedules.SCHEDULE_NAMES),
+    f'--schedules takes names of {list(named_schedules.SCHEDULE_NAMES)}.')
 flags.register_multi_flags_validator(
     ['per_device', 'schedules', 'model'],
     lambda f: not f['per_device'] or (f['schedules'] and f['model'] in ('mlp', 'transformer')),

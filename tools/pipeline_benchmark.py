@@ -20,7 +20,7 @@ import statistics
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.runners import binaries
 
 PRESETS = {
@@ -49,7 +49,7 @@ flags.DEFINE_enum('path', 'fprop', ['fprop', 'forward_backward'],
                   "Every schedule but 'gpipe' runs ForwardBackward.")
 flags.DEFINE_integer('steps', 5, 'Timed steps per configuration (median reported).',
                      lower_bound=1)
-bench_utils.CheckChoices('schedules', schedule_lib.SCHEDULE_NAMES)
+bench_utils.CheckChoices('schedules', named_schedules.SCHEDULE_NAMES)
 bench_utils.CheckChoices('remat', ('always', 'except_last', 'never'))
 bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')

@@ -34,6 +34,7 @@ import tempfile
 from absl import flags
 import bench_utils
 from lingvo_gpipe.foundation import errors
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.pipeline import schedule as schedule_lib
 from lingvo_gpipe.runners import binaries
 
@@ -47,7 +48,7 @@ flags.DEFINE_integer('stages', None, 'K; default the model\'s.', lower_bound=1)
 flags.DEFINE_integer('micro_batches', None, 'M; default the model\'s. With --choose, the M '
                      'whose micro-batch the layers are profiled at (the choice tries every M).',
                      lower_bound=1)
-flags.DEFINE_enum('schedule', None, list(schedule_lib.ONE_CHUNK_SCHEDULES),
+flags.DEFINE_enum('schedule', None, list(named_schedules.ONE_CHUNK_SCHEDULES),
                   "Schedule; default the model's. Plans run one chunk per device, so "
                   'interleaved_1f1b and zbv are not among them.')
 flags.DEFINE_enum('remat', None, ['always', 'except_last', 'never'],
@@ -134,10 +135,10 @@ def _Profile(tf):
                     None if FLAGS.micro_batches else pipe.micro_batch_size, pipe.num_replicas)
   rows = -(-params.input.batch_size // pipe.num_replicas)  # One replica's: what it plans.
   schedule = FLAGS.schedule or pipe.schedule
-  if not FLAGS.choose and schedule not in schedule_lib.ONE_CHUNK_SCHEDULES:
+  if not FLAGS.choose and schedule not in named_schedules.ONE_CHUNK_SCHEDULES:
     sys.exit(f'plan_balance: error: {FLAGS.model} runs schedule {schedule_lib.Name(schedule)} '
              f'(virtual_stages={pipe.virtual_stages}); a plan runs one chunk per device: give '
-             f'--schedule (one of {", ".join(schedule_lib.ONE_CHUNK_SCHEDULES)}) or --choose.')
+             f'--schedule (one of {", ".join(named_schedules.ONE_CHUNK_SCHEDULES)}) or --choose.')
   _, own = pipeline_params.LayersAndEnds(pipe)
   profiles, glued = planner.PipelineProfiles(pipe, rows // m, FLAGS.repeats, progress=Progress)
   return (profiles, glued, own, k, m, schedule, FLAGS.remat or pipe.remat,

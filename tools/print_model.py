@@ -123,10 +123,10 @@ def Inspect(tf, pipe, spec, batch_size, source):
 
 def _Placement(pipe, plan):
   """The device of each cell, as the pipeline's schedule places them."""
-  from lingvo_gpipe.pipeline import schedule as schedule_lib  # pylint: disable=g-import-not-at-top
+  from lingvo_gpipe.pipeline import named_schedules  # pylint: disable=g-import-not-at-top
   v = pipe.virtual_stages
-  return list(schedule_lib.Orders(pipe.schedule, plan.num_stages // v, plan.num_micro_batches,
-                                  v)[1])
+  return list(named_schedules.Orders(pipe.schedule, plan.num_stages // v,
+                                     plan.num_micro_batches, v)[1])
 
 
 def _Bubble(pipe, plan):

@@ -28,6 +28,7 @@ import time
 from absl import flags
 import bench_utils
 from lingvo_gpipe.insight import simulator
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.pipeline import schedule as schedule_lib
 from lingvo_gpipe.runners import binaries
 
@@ -36,7 +37,7 @@ bench_utils.DefineCounts('stages', ['4', '64', '1024'], 'K values (ignored with 
 bench_utils.DefineCounts('micro_batches', ['16', '512', '8192'],
                          "M values (with --plan, default: the plan's M).")
 flags.DEFINE_list('schedules', ['gpipe', '1f1b'],
-                  f'Schedules, of {list(schedule_lib.SCHEDULE_NAMES)} (with --plan, default: '
+                  f'Schedules, of {list(named_schedules.SCHEDULE_NAMES)} (with --plan, default: '
                   "the plan's).")
 flags.register_validator('schedules', bool, '--schedules is empty: give at least one schedule.')
 flags.DEFINE_float('forward_ms', 1.0, 'Forward time of a micro-batch per stage (not with '

@@ -28,13 +28,13 @@ import time
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.runners import binaries
 
 FLAGS = flags.FLAGS
 bench_utils.DefineCounts('stages', ['2', '4', '8'], 'K values (empty: no step configurations).')
 bench_utils.DefineCounts('micro_batches', ['8', '32', '64', '256'], 'M values.')
-flags.DEFINE_list('schedules', list(schedule_lib.SCHEDULE_NAMES), 'Schedules.')
+flags.DEFINE_list('schedules', list(named_schedules.SCHEDULE_NAMES), 'Schedules.')
 flags.DEFINE_list('remat', ['always'], "Re-materialization modes ('always', 'except_last', "
                   "'never').")
 flags.DEFINE_list('loop_steady_state', ['false', 'true'],
@@ -48,7 +48,7 @@ flags.DEFINE_list('trainer_models', [], 'Registered models whose trainer start t
 bench_utils.DefineCounts('trainer_micro_batches', ['64'],
                          "M values the trainer models also run at (besides their own).")
 flags.DEFINE_integer('timeout', 900, 'Seconds one configuration may take.', lower_bound=1)
-bench_utils.CheckChoices('schedules', schedule_lib.SCHEDULE_NAMES)
+bench_utils.CheckChoices('schedules', named_schedules.SCHEDULE_NAMES)
 bench_utils.CheckChoices('remat', ('always', 'except_last', 'never'))
 bench_utils.CheckChoices('loop_steady_state', ('true', 'false'))
 bench_utils.DefineJsonOut()

@@ -27,7 +27,7 @@ import os
 
 from absl import flags
 import bench_utils
-from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.runners import binaries
 
 FLAGS = flags.FLAGS
@@ -40,7 +40,7 @@ flags.DEFINE_integer('rows', 16, 'Batch rows (sequences) of the built-in model.'
 flags.DEFINE_integer('seq_len', 64, 'Sequence length of the built-in Transformer.')
 bench_utils.DefineCounts('stages', ['2', '4'], 'K values.')
 bench_utils.DefineCounts('micro_batches', ['1', '8'], 'M values.')
-flags.DEFINE_enum('schedule', 'gpipe', list(schedule_lib.SCHEDULE_NAMES), 'Pipeline schedule.')
+flags.DEFINE_enum('schedule', 'gpipe', list(named_schedules.SCHEDULE_NAMES), 'Pipeline schedule.')
 flags.DEFINE_enum('remat', 'always', ['always', 'except_last', 'never'], 'Re-materialization.')
 flags.DEFINE_integer('steps', 3, 'Timed steps per point (median).', lower_bound=1)
 flags.DEFINE_integer('bubble_steps', 3, 'Measured steps per point (the median bubble is kept).',

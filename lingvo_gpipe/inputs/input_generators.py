@@ -1,6 +1,6 @@
 """Input generators: synthetic sequence tasks, byte-level text and images.
 
-Sequence batches follow the streams of layers_with_gpipe:
+Sequence batches follow the streams of models/state_layers.py:
   language model: NestedMap(ids, labels, paddings, weights), each [B, seq_len];
   encoder-decoder: NestedMap(src=NestedMap(ids, paddings),
                              tgt=NestedMap(ids, labels, paddings, weights)).

@@ -39,7 +39,8 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.insight import simulator
-from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import named_schedules
+from lingvo_gpipe.pipeline import schedule_actions
 
 _PASS_NAMES = {'F': 'forward', 'R': 'recompute', 'B': 'input gradient', 'W': 'weight gradient',
                'BW': 'backward'}
@@ -178,7 +179,7 @@ class Timeline:
                                           self.kind.tolist(), self.micro_batch.tolist(),
                                           self.chunk.tolist()):
       if replica == 0:
-        orders[stage].append(schedule_lib.Action(_KINDS[kind], m, c))
+        orders[stage].append(schedule_actions.Action(_KINDS[kind], m, c))
     return simulator.ToArrays(orders, self.Placement())
 
   def Schedule(self):
@@ -187,7 +188,7 @@ class Timeline:
     with a loss per micro-batch reads as 'gpipe' (the trainer labels runs by their
     configured schedule)."""
     ran = self.Orders()
-    for name in schedule_lib.SCHEDULE_NAMES:
+    for name in named_schedules.SCHEDULE_NAMES:
       try:
         orders = simulator.Orders(name, self.num_stages, self.num_micro_batches,
                                   self.virtual_stages)

@@ -27,9 +27,9 @@ from lingvo_gpipe.insight import stage_model
 from lingvo_gpipe.layers import profiler
 from lingvo_gpipe.layers import remat as remat_lib
 from lingvo_gpipe.pipeline import gpipe
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import pipeline_params
-from lingvo_gpipe.pipeline import schedule as schedule_lib
 
 
 # -- planning (no TensorFlow) --------------------------------------------------------------
@@ -53,7 +53,7 @@ class NoFitError(ValueError):
 
 
 # Schedules a plan can take: one chunk per device, as the plan's stages are.
-PLANNABLE_SCHEDULES = schedule_lib.ONE_CHUNK_SCHEDULES
+PLANNABLE_SCHEDULES = named_schedules.ONE_CHUNK_SCHEDULES
 # Predicted step times this close to the fastest are a tie, which the least memory wins:
 # profiles differ by more than this from run to run.
 TIE_FRACTION = 0.005
@@ -111,7 +111,7 @@ def MakePlan(profiles, num_stages, num_micro_batches, schedule='gpipe', remat='a
   Args:
     profiles: LayerProfiles of the layers in order (ProfileLayers).
     num_stages, num_micro_batches: K and M.
-    schedule, remat: what the pipeline runs (schedule.SCHEDULE_NAMES,
+    schedule, remat: what the pipeline runs (named_schedules.SCHEDULE_NAMES,
       gpipe.REMAT_MODES); they set the micro-batches in flight and the recompute.
     memory_cap_bytes: per-device cap, or None for none.
     optimizer_slots: optimizer tensors per weight (Adam 2, momentum 1, SGD 0).

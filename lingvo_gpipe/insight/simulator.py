@@ -7,12 +7,12 @@ gradient to another device, the bytes a device keeps per micro-batch chunk,
 K, M and a schedule, it predicts every action's start and end, the step time,
 the bubble (idle share of K devices x step time) and each device's peak memory.
 
-Schedule semantics come from schedule.py alone: each device runs its order, and
+Schedule semantics come from schedule_actions.py alone: each device runs its order, and
 an action waits for its device's previous action and for F(m, c-1) (a forward)
 or for B(m, c+1) (B and BW), plus the hand-over when that ran on another device.
 What else an action needs (its own chunk's forward, the loss, a W's B) ran
 before it on the same device. The loss costs nothing here. Where
-schedule.Simulate loops over actions in Python, every device advances at once
+schedule_actions.Simulate loops over actions in Python, every device advances at once
 with numpy, one loop round per action of a device: K=1024, M=8192 fill-drain
 (16.8M actions) takes about 7 s here, after about 20 s building its orders.
 
@@ -23,12 +23,13 @@ import dataclasses
 
 import numpy as np
 
-from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import named_schedules
+from lingvo_gpipe.pipeline import schedule_actions
 
 # Index of an action kind in the [4, C, M] cost, start and end arrays.
 FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD = 0, 1, 2, 3
-_CODES = {schedule_lib.FORWARD: FORWARD, schedule_lib.INPUT_GRAD: INPUT_GRAD,
-          schedule_lib.WEIGHT_GRAD: WEIGHT_GRAD, schedule_lib.BACKWARD: BACKWARD}
+_CODES = {schedule_actions.FORWARD: FORWARD, schedule_actions.INPUT_GRAD: INPUT_GRAD,
+          schedule_actions.WEIGHT_GRAD: WEIGHT_GRAD, schedule_actions.BACKWARD: BACKWARD}
 
 
 @dataclasses.dataclass
@@ -91,7 +92,7 @@ def ToArrays(orders, placement=None):
   """schedule.py's orders (per device, a list of Actions) as OrderArrays; placement
   defaults to chunk k on device k."""
   num_stages = len(orders)
-  rows = [[a for a in order if a.kind != schedule_lib.LOSS] for order in orders]
+  rows = [[a for a in order if a.kind != schedule_actions.LOSS] for order in orders]
   width = max((len(row) for row in rows), default=0)
   kind = np.full((num_stages, width), -1, np.int8)
   micro_batch = np.full((num_stages, width), -1, np.int32)
@@ -108,14 +109,14 @@ def ToArrays(orders, placement=None):
 
 
 def Orders(name, num_stages, num_micro_batches, virtual_stages=1):
-  """The OrderArrays of schedule `name` (schedule.SCHEDULE_NAMES) for K devices, M
+  """The OrderArrays of schedule `name` (named_schedules.SCHEDULE_NAMES) for K devices, M
   micro-batches and v chunks per device."""
   for what, value in (('num_stages', num_stages), ('num_micro_batches', num_micro_batches),
                       ('virtual_stages', virtual_stages)):
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
       raise ValueError(f'{what} must be a positive int, got {value!r}.')
-  orders, placement = schedule_lib.Orders(name, int(num_stages), int(num_micro_batches),
-                                          int(virtual_stages))
+  orders, placement = named_schedules.Orders(name, int(num_stages), int(num_micro_batches),
+                                             int(virtual_stages))
   return ToArrays(orders, placement)
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from lingvo_gpipe.insight import simulator
 from lingvo_gpipe.layers import remat as remat_lib
 from lingvo_gpipe.pipeline import gpipe
-from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import named_schedules
 
 
 def Held(schedule, num_stages, num_micro_batches):
@@ -48,7 +48,7 @@ def Prefix(values):
 def ModeledRemat(schedule, remat):
   """The remat a pipeline of `schedule` runs: a split backward's B recomputes its chunk
   whatever remat says (executor.py), its forward keeping only its input, as with 'always'."""
-  return 'always' if schedule in schedule_lib.SPLIT_SCHEDULES else remat
+  return 'always' if schedule in named_schedules.SPLIT_SCHEDULES else remat
 
 
 class StageModel:

@@ -2,7 +2,7 @@
 
 Each decoding step runs the task's pipelined forward, in evaluation mode, over
 the whole [B, T] sequence so far and reads each row's next-id log-probabilities
-at its current position (the softmax's decode_positions, layers_with_gpipe).
+at its current position (the softmax's decode_positions, state_layers).
 Causal self-attention keeps a position blind to the ids after it, so the part
 not decoded yet changes nothing. Nothing is cached between steps: a step costs
 one forward of T positions, and the decoded model is exactly the trained one

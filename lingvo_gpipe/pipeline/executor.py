@@ -36,11 +36,11 @@ import tensorflow as tf
 from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.pipeline import cell_functions
 from lingvo_gpipe.pipeline import pass_results
-from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import schedule_actions
 from lingvo_gpipe.pipeline import split_backward
 
-F, B, W, BW = (schedule_lib.FORWARD, schedule_lib.INPUT_GRAD, schedule_lib.WEIGHT_GRAD,
-               schedule_lib.BACKWARD)
+F, B, W, BW = (schedule_actions.FORWARD, schedule_actions.INPUT_GRAD, schedule_actions.WEIGHT_GRAD,
+               schedule_actions.BACKWARD)
 
 
 def AsArgs(value):
@@ -151,7 +151,7 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
     handed_over = []
     if c + 1 < self.num_chunks:
       self.inputs[(m, c + 1)], handed_over = self._HandOver(
-          c, schedule_lib.Action(F, m, c + 1), out)
+          c, schedule_actions.Action(F, m, c + 1), out)
     else:
       if self.keep_outputs:
         self.outputs[m] = out
@@ -164,7 +164,7 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
     if c == 0:
       self.input_grads[m] = d_args
       return []
-    consumer = schedule_lib.Action(B if (m, c - 1) in self.split else BW, m, c - 1)
+    consumer = schedule_actions.Action(B if (m, c - 1) in self.split else BW, m, c - 1)
     self.out_grads[(m, c - 1)], handed_over = self._HandOver(c, consumer, d_args)
     return handed_over
 

@@ -43,9 +43,11 @@ from lingvo_gpipe.pipeline import cell_functions
 from lingvo_gpipe.pipeline import executor
 from lingvo_gpipe.pipeline import loss_contract
 from lingvo_gpipe.pipeline import microbatch
+from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import replicas
 from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import schedule_actions
 from lingvo_gpipe.pipeline import step_timing
 from lingvo_gpipe.pipeline import training_pass
 
@@ -123,7 +125,7 @@ class PipeliningLayer(base_layer.BaseLayer):
              "remat_policy: 'none', 'every_layer', 'every_N' (e.g. 'every_2'), or layer names "
              "joined by '+' whose outputs are kept (a cell holding none is one segment).")
     p.Define('schedule', 'gpipe',
-             f'One of {list(schedule_lib.SCHEDULE_NAMES)}: fill-drain (also under a tape), '
+             f'One of {list(named_schedules.SCHEDULE_NAMES)}: fill-drain (also under a tape), '
              '1F1B, interleaved 1F1B, zero-bubble H1/H2 and V (ForwardBackward); or your own '
              'orders for this K, M and v as a schedule text (schedule.Schedule.ToText).')
     p.Define('virtual_stages', 1,
@@ -367,7 +369,7 @@ class PipeliningLayer(base_layer.BaseLayer):
       run = replicas.Replicas(self, thetas, args, num, remat='always', step=0,
                               keep_inputs=False, tracer=self.Tracer())
       run.Execute([s.action for s in self.ScheduleFor(num).steps
-                   if s.action.kind == schedule_lib.FORWARD])
+                   if s.action.kind == schedule_actions.FORWARD])
       outputs, acts = run.MergedOutputs()
     return self.Result(outputs, acts)
 

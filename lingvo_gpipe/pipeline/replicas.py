@@ -10,10 +10,10 @@ import tensorflow as tf
 
 from lingvo_gpipe.pipeline import executor
 from lingvo_gpipe.pipeline import microbatch
-from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import schedule_actions
 from lingvo_gpipe.pipeline import steady_state
 
-F, L = schedule_lib.FORWARD, schedule_lib.LOSS
+F, L = schedule_actions.FORWARD, schedule_actions.LOSS
 
 
 def _FirstActions(actions, placement):
@@ -64,7 +64,7 @@ class Replicas:
     awaited = _FirstActions(actions, self._layer.placement)
     for one in self.passes:
       one.awaited = awaited
-      one.losses_follow = any(a.kind == L and a.micro_batch != schedule_lib.ALL
+      one.losses_follow = any(a.kind == L and a.micro_batch != schedule_actions.ALL
                               for a in actions)
     done = 0
     for window in self._Windows(actions):
@@ -88,8 +88,8 @@ class Replicas:
     return steady_state.Windows(actions, one.SameTrace)
 
   def _Run(self, action, on_loss):
-    if action.kind == L and action.micro_batch == schedule_lib.ALL:
-      self._whole_batch_losses.append(on_loss(None, schedule_lib.ALL))
+    if action.kind == L and action.micro_batch == schedule_actions.ALL:
+      self._whole_batch_losses.append(on_loss(None, schedule_actions.ALL))
     elif action.kind == L:
       for one in self.passes:
         with tf.device(one.devices[action.chunk]):

@@ -16,7 +16,7 @@ import dataclasses
 import tensorflow as tf
 
 from lingvo_gpipe.foundation import py_utils
-from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import schedule_actions
 
 MIN_REPEATS = 3  # Fewer repeats save less than a loop's set-up costs.
 
@@ -38,7 +38,7 @@ class Window:
 def _Repeats(a, b, stride, same):
   """Whether action b is action a for the micro-batch `stride` further on."""
   return (a.kind == b.kind and a.chunk == b.chunk and
-          a.micro_batch != schedule_lib.ALL and b.micro_batch == a.micro_batch + stride and
+          a.micro_batch != schedule_actions.ALL and b.micro_batch == a.micro_batch + stride and
           same(a, b))
 
 
@@ -197,7 +197,7 @@ def _Loop(one, period, repeats, stride, run):
   waiting = {key: one.inputs.pop(key) for key in list(one.inputs)
              if key[1] == 0 and key[0] not in one.released}
   entering = {a.micro_batch + r * stride for a in period for r in range(repeats)
-              if a.kind == schedule_lib.FORWARD and a.chunk == 0}
+              if a.kind == schedule_actions.FORWARD and a.chunk == 0}
   start = _Carried(one)
   tensors, rest = _Split(start)
   specs = _LeftSpecs(one, period)
@@ -263,11 +263,11 @@ def _LeftSpecs(one, period):
   order), from values of the same kind that actions before the window left."""
   outputs, input_grads, losses = [], [], []
   for a in period:
-    if a.kind == schedule_lib.FORWARD and a.chunk == one.num_chunks - 1 and one.keep_outputs:
+    if a.kind == schedule_actions.FORWARD and a.chunk == one.num_chunks - 1 and one.keep_outputs:
       outputs.append(next(iter(one.outputs.values())))
-    elif a.kind in (schedule_lib.BACKWARD, schedule_lib.INPUT_GRAD) and a.chunk == 0:
+    elif a.kind in (schedule_actions.BACKWARD, schedule_actions.INPUT_GRAD) and a.chunk == 0:
       input_grads.append(next(iter(one.input_grads.values())))
-    elif a.kind == schedule_lib.LOSS:
+    elif a.kind == schedule_actions.LOSS:
       losses.append(one.losses[-1])
   return [(x.dtype, x.shape) for value in outputs + input_grads + losses
           for x in _Split(value)[0]]

@@ -17,12 +17,13 @@ from lingvo_gpipe.pipeline import metrics as metrics_lib
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import replicas
 from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import schedule_actions
 
 
 def _SplitBackwards(sched):
   """(micro-batch, chunk) pairs whose backward the schedule splits into B and W."""
   return {(s.action.micro_batch, s.action.chunk) for s in sched.steps
-          if s.action.kind == schedule_lib.WEIGHT_GRAD}
+          if s.action.kind == schedule_actions.WEIGHT_GRAD}
 
 
 def ForwardBackward(layer, theta, inputs, loss_fn, labels, with_outputs, loss_reduction):
@@ -141,7 +142,7 @@ def DifferentiableForward(layer, thetas, args, num):
                      f"{schedule_lib.Name(layer.params.schedule)!r} trains through "
                      "ForwardBackward, and runs FProp's forwards in py_utils.EvalMode().")
   actions = [s.action for s in sched.steps]
-  loss_at = next(i for i, a in enumerate(actions) if a.kind == schedule_lib.LOSS)
+  loss_at = next(i for i, a in enumerate(actions) if a.kind == schedule_actions.LOSS)
   step = layer.PassStep()
   tracer = layer.Tracer()
   flat_theta, flat_args = tf.nest.flatten(thetas), tf.nest.flatten(args)

@@ -14,7 +14,7 @@ activations. Each layer runs as a KerasLayer (lingvo_gpipe/layers/keras_layer.py
 its config and starting from its weights if it has any, so the given layers are
 copied, not shared: read the trained weights from this model.
 
-Training runs the pipeline's schedule, any of schedule.SCHEDULE_NAMES:
+Training runs the pipeline's schedule, any of named_schedules.SCHEDULE_NAMES:
 train_step calls PipeliningLayer.ForwardBackward, which runs the schedule's
 forward and backward actions itself (Keras's default train_step differentiates
 the forward, which can only run fill-drain). The loss is compile()'s, taken on
@@ -124,7 +124,7 @@ class PipelineModel(keras.Model):
       with keras.Input(shape)), or their keras.layers.serialize() configs.
     num_stages: K, the number of cells and devices.
     num_micro_batches: M, the micro-batches each batch is split into.
-    schedule: one of schedule.SCHEDULE_NAMES: 'gpipe' (fill-drain), '1f1b',
+    schedule: one of named_schedules.SCHEDULE_NAMES: 'gpipe' (fill-drain), '1f1b',
       'interleaved_1f1b', 'zb_h1', 'zb_h2', 'zbv'; or your own orders for these
       K, M and v as a schedule text (schedule.Schedule.ToText).
     virtual_stages: v chunks per device (interleaved_1f1b: any v, its
