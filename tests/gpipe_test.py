@@ -156,7 +156,7 @@ def testSchedulesThatSumInTheSameOrderGiveBitwiseTheSameGradients(remat):
         a.assign(b)
     else:
       first = pipe
-    _, g = tf.function(pipe.ForwardBackward)(pipe.theta, _Input(), _Loss)
+    _, g = tf.function(pipe.ForwardBackward)(pipe.theta, _Input(), _Loss, loss_reduction='mean')
     # By layer: the cells differ between one and two chunks per device.
     grads[sched] = [np.asarray(t) for t in tf.nest.flatten([c.sub for c in g.cell])]
   for sched, got in grads.items():
@@ -196,7 +196,7 @@ def testSplitWeightGradientsOfSharedAndBorrowedWeightsAreExact(sched, remat):
     a.assign(b)
   x = _Input()
   ref_loss, ref_grads = plain.ForwardBackward(plain.theta, x, _Loss, loss_reduction='mean')
-  loss, grads = tf.function(pipe.ForwardBackward)(pipe.theta, x, _Loss)
+  loss, grads = tf.function(pipe.ForwardBackward)(pipe.theta, x, _Loss, loss_reduction='mean')
   assert _RelErr(loss, ref_loss) <= 1e-5
   ref = tf.nest.flatten([c.sub for c in ref_grads.cell])
   _AssertGradsClose(tf.nest.flatten([c.sub for c in grads.cell]), ref)
