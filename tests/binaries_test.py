@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-_SCRIPT = ('from lingvo_gpipe import binaries\n'
+_SCRIPT = ('from lingvo_gpipe.runners import binaries\n'
            'binaries.QuietTensorFlow()\n'
            'import tensorflow as tf\n'
            'print(int(tf.constant(3) * 2))\n')

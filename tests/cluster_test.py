@@ -241,7 +241,7 @@ def testMonitorFailsAJobWhoseWorkersAreSilentOrGone():
 def testServerConfigGivesClientContextsTheWorkerThreadsAndTwoInterOpOnOneCore():
   """The eager context a client opens on a worker sizes its pools from the environment."""
   code = ('import json, os\n'
-          'from lingvo_gpipe import cluster\n'
+          'from lingvo_gpipe.distribution import cluster\n'
           'config = cluster.ServerConfig(*json.loads(os.environ["THREADS"]))\n'
           'print(config.intra_op_parallelism_threads, config.inter_op_parallelism_threads,\n'
           '      os.environ.get("TF_NUM_INTRAOP_THREADS"), os.environ.get("TF_NUM_INTEROP_THREADS"))\n')

@@ -13,7 +13,7 @@ def testPeakIsTheBytesOfATemporaryAboveTheLiveSet():
   """In a process of its own: the allocator is the process's, and threads other tests left
   running (in the suite's process, once 1.4 MiB over the bound) would count too."""
   code = ('import tensorflow as tf\n'
-          'from lingvo_gpipe.core import memory_stats\n'
+          'from lingvo_gpipe.foundation import memory_stats\n'
           'kept = tf.ones([256, 256])\n'  # Live before: not counted.
           'def Fn():\n'
           '  temporary = tf.ones([1024, 1024]) * 2.0\n'  # 4 MiB, freed when Fn returns.
@@ -29,7 +29,7 @@ def testPeakIsTheBytesOfATemporaryAboveTheLiveSet():
 
 def testWithoutStatisticsTheErrorSaysHowToTurnThemOn():
   code = ('import tensorflow as tf\n'
-          'from lingvo_gpipe.core import memory_stats\n'
+          'from lingvo_gpipe.foundation import memory_stats\n'
           'memory_stats.PeakBytes(lambda: tf.ones([2]))\n')
   env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC='false', TF_ENABLE_ONEDNN_OPTS='0',
              TF_CPP_MIN_LOG_LEVEL='3')
@@ -48,7 +48,7 @@ def testLogForeverLogsWhatLoggedSinceReads():
   code = ('import threading, time\n'
           'from absl import logging\n'
           'import tensorflow as tf\n'
-          'from lingvo_gpipe.core import memory_stats\n'
+          'from lingvo_gpipe.foundation import memory_stats\n'
           'kept = tf.ones([1024, 1024])\n'  # 4 MiB live.
           'tf.reduce_sum(tf.ones([2048, 1024]) * 2.0).numpy()\n'  # 8 MiB more, freed.
           'logging.set_verbosity(logging.INFO)\n'  # As in a worker run by the trainer.

@@ -54,7 +54,7 @@ def testReleaseHeldFreesTheLocksAnExitWouldLeave(tmp_path):
 
 
 def testALockHeldByAnotherProcessIsRefused(tmp_path):
-  script = ('import sys, time; from lingvo_gpipe import run_lock\n'
+  script = ('import sys, time; from lingvo_gpipe.training import run_lock\n'
             f'with run_lock.RunLock({str(tmp_path)!r}):\n'
             '  print("held", flush=True); sys.stdin.read()\n')
   holder = subprocess.Popen([sys.executable, '-c', script], stdin=subprocess.PIPE,
