@@ -1,4 +1,4 @@
-"""Runs every code block of README.md and docs/*.md as a user would, so no page goes stale.
+"""Runs every code block of README.md and docs/ as a user would, so no page goes stale.
 
 An HTML comment before each fenced block says how the block is checked:
 
@@ -12,7 +12,7 @@ An HTML comment before each fenced block says how the block is checked:
   <!-- readme_test: tree -->         every file and folder the listing names exists.
 
 A block without a comment fails. The blocks are tests in page order, README.md first, then
-docs/*.md by name; the blocks of one page share one temporary directory, so a block may use
+docs/*.md by name, then the dated results docs/benchmarks/*.md by name; the blocks of one page share one temporary directory, so a block may use
 what an earlier block of its page made. Two substitutions make the commands run here as written:
   * `.venv/bin/python`, the environment the README's install makes, is this test's
     interpreter: run the test where this checkout is installed (as .ci/run's .venv is);
@@ -23,7 +23,9 @@ passes when it exits 0 and prints no error-level line, traceback, retracing warn
 TensorFlow INFO line that the binaries drop.
 
 Every relative link of a page names an existing file (and, after a '#', a heading of it);
-README.md links every docs/*.md page and is at most 10,000 characters.
+README.md links every docs/*.md page and is at most 10,000 characters; the dated pages of
+docs/benchmarks/ are listed, newest first, by its README.md, which README.md or
+docs/measuring.md links.
 """
 
 import collections
@@ -40,8 +42,11 @@ import pytest
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The pages whose blocks run, in the order they run; paths relative to _ROOT.
-PAGES = ['README.md'] + sorted(os.path.relpath(p, _ROOT)
-                               for p in glob.glob(os.path.join(_ROOT, 'docs', '*.md')))
+PAGES = ['README.md'] + [os.path.relpath(p, _ROOT)
+                         for folder in (('docs',), ('docs', 'benchmarks'))
+                         for p in sorted(glob.glob(os.path.join(_ROOT, *folder, '*.md')))]
+# The top-level docs pages, each of which README.md links.
+DOCS_PAGES = [page for page in PAGES if os.path.dirname(page) == 'docs']
 _FENCE = re.compile(r'^```(\w*)\n(.*?)^```$', re.M | re.S)
 _MARKER = re.compile(r'<!-- readme_test: (\w+)(.*?)-->\n', re.S)
 _KINDS = ('run', 'file', 'ci', 'tree')
@@ -200,10 +205,29 @@ def testRelativeLinksResolve(page):
 
 def testReadmeLinksEveryDocsPageAndIsShort():
   linked = {os.path.normpath(target.partition('#')[0]) for target in _Links('README.md')}
-  unlinked = [page for page in PAGES[1:] if page not in linked]
+  unlinked = [page for page in DOCS_PAGES if page not in linked]
   assert not unlinked, f'README.md links none of {unlinked}: add them to its Documentation list'
   size = len(_Read('README.md').encode())
   assert size <= 10000, f'README.md has {size} characters, more than 10,000: move some to docs/'
+
+
+def testBenchmarksIndexLinksEveryDatedPageNewestFirst():
+  """docs/benchmarks/README.md lists each dated page once, newest first, and is linked."""
+  index = os.path.join('docs', 'benchmarks', 'README.md')
+  dated = [page for page in PAGES if os.path.dirname(page) == os.path.dirname(index)
+           and page != index]
+  assert dated and all(re.fullmatch(r'\d{4}-\d{2}-\d{2}-[a-z0-9_-]+\.md', os.path.basename(p))
+                       for p in dated), f'{dated}: name dated pages YYYY-MM-DD-<topic>.md'
+  listed = [os.path.normpath(os.path.join(os.path.dirname(index), target.partition('#')[0]))
+            for target in _Links(index) if not re.match(r'[a-z]+:|\.\./', target)]
+  assert sorted(listed) == sorted(dated), f'{index} lists {listed}, not each of {dated} once'
+  dates = [os.path.basename(page)[:10] for page in listed]
+  assert dates == sorted(dates, reverse=True), f'{index}: list the pages newest first'
+  linking = [page for page in ('README.md', os.path.join('docs', 'measuring.md'))
+             if index in {os.path.normpath(os.path.join(os.path.dirname(page),
+                                                        target.partition('#')[0]))
+                          for target in _Links(page)}]
+  assert linking, f'neither README.md nor docs/measuring.md links {index}'
 
 
 @pytest.mark.parametrize('block', BLOCKS, ids=str)

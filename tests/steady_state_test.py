@@ -138,7 +138,7 @@ def testADeepPipelinesGraphHoldsFewerCallsLooped():
 
 
 def testLoopsAreAskedFor():
-  """Loops measured slower steps (docs/startup_measured.md): a pipeline runs none unasked."""
+  """Loops measured slower steps (docs/benchmarks/2026-12-02-startup.md): none runs unasked."""
   assert not gpipe.PipeliningLayer.Params().loop_steady_state
   with pytest.raises(ValueError, match="loop_steady_state must be True or False, got 'yes'"):
     _Pipeline('1f1b', 'always', loop='yes')

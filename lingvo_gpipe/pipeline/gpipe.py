@@ -138,10 +138,9 @@ class PipeliningLayer(base_layer.BaseLayer):
              "Run a traced schedule's steady state (its stretch that repeats for micro-batch "
              'after micro-batch: lingvo_gpipe/pipeline/steady_state.py) as one tf.while_loop, '
              'so that tracing and graph optimization do not grow with M (the actions and their '
-             "order stay the schedule's). At K=8, M=64 it starts 1F1B 2.2x faster and steps "
-             '10-25% slower, zero-bubble schedules 1.5x slower (docs/startup_measured.md): for '
-             'short runs and large M. Needs equal micro-batches; forwards kept on a tape (remat '
-             "'never') stay unrolled.")
+             "order stay the schedule's). It starts faster and steps slower "
+             '(docs/benchmarks/2026-12-02-startup.md): for short runs and large M. Needs equal '
+             "micro-batches; forwards kept on a tape (remat 'never') stay unrolled.")
     p.Define('jit_compile', False,
              "Compile each cell's forward and backward step with XLA (placement and the "
              "pipeline between the steps stay outside the compiled functions); needs remat="
