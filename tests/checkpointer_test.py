@@ -111,7 +111,8 @@ def testACheckpointWithANonFiniteWeightCountsAsDamaged(tmp_path, bad, caplog):
   checkpointer, model = _Checkpointer(directory)
   model.w.assign(tf.tensor_scatter_nd_update(tf.fill([64, 8], 3.0), [[5, 1]], [bad]))
   checkpointer._global_step.assign(3)  # pylint: disable=protected-access
-  checkpointer._checkpoint.write(os.path.join(directory, 'ckpt-3'))  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  checkpointer._checkpoint.write(os.path.join(directory, 'ckpt-3'))
   assert files.Problem(os.path.join(directory, 'ckpt-3')) == 'model/w holds NaN or Inf'
   assert os.path.basename(_Checkpointer(directory)[0].Newest()) == 'ckpt-2'
   assert _Recovered(directory) == ('ckpt-2', 2.0)

@@ -244,7 +244,8 @@ def testServerConfigGivesClientContextsTheWorkerThreadsAndTwoInterOpOnOneCore():
           'from lingvo_gpipe.distribution import cluster\n'
           'config = cluster.ServerConfig(*json.loads(os.environ["THREADS"]))\n'
           'print(config.intra_op_parallelism_threads, config.inter_op_parallelism_threads,\n'
-          '      os.environ.get("TF_NUM_INTRAOP_THREADS"), os.environ.get("TF_NUM_INTEROP_THREADS"))\n')
+          '      os.environ.get("TF_NUM_INTRAOP_THREADS"),'
+          ' os.environ.get("TF_NUM_INTEROP_THREADS"))\n')
 
   def Run(threads, cpus):
     env = dict(_Env(), THREADS=json.dumps(threads))

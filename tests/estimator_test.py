@@ -178,7 +178,8 @@ def testAFloat16RegistryModelScalesItsLoss(tmp_path):
 def testNonFiniteLossStopsTrainingMidLoop(tmp_path):
   est = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path),
                                           model_params_override='task.nan_at_step : 4')
-  with pytest.raises(base_runner.NonFiniteError, match=r'^The step from global step 4 to 5: loss nan'):
+  with pytest.raises(base_runner.NonFiniteError,
+                     match=r'^The step from global step 4 to 5: loss nan'):
     est.train(estimator.RegistryInputFn(_MODEL, 'Train'), max_steps=9)
   assert tf.train.latest_checkpoint(str(tmp_path)).endswith('ckpt-3')
   assert est.global_step == 4  # Step 3 ran in the second loop; step 4 was not applied.

@@ -97,7 +97,8 @@ def testStageDevices():
   assert devices.StageDevices(2) == found[:2]
   a, b = found[:2]
   assert devices.StageDevices(3, [a, b], allow_reuse=True) == [a, b, a]
-  with pytest.raises(ValueError, match=r'needs 3 devices \(3 stages\) but only 2 devices were given'):
+  with pytest.raises(ValueError,
+                     match=r'needs 3 devices \(3 stages\) but only 2 devices were given'):
     devices.StageDevices(3, [a, b])
   # A device TensorFlow does not have would silently become another one: refused.
   with pytest.raises(ValueError, match=r"Device '/device:GPU:3' does not exist here"):

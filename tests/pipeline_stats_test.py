@@ -378,8 +378,9 @@ _PARAMS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'testdata
 def _StartTrainer(logdir, *flags):
   env = dict(os.environ, LINGVO_GPIPE_PARAMS=_PARAMS_DIR, TF_CPP_MIN_LOG_LEVEL='2')
   return subprocess.Popen(
-      [sys.executable, '-m', 'lingvo_gpipe.runners.trainer', '--model=toy.regression.PipelinedRegression',
-       f'--logdir={logdir}', '--max_steps=4', *flags],
+      [sys.executable, '-m', 'lingvo_gpipe.runners.trainer',
+       '--model=toy.regression.PipelinedRegression', f'--logdir={logdir}', '--max_steps=4',
+       *flags],
       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

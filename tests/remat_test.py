@@ -1,4 +1,5 @@
-"""Tests of re-materialization inside a stack (lingvo_gpipe/layers/remat.py) against the plain layers without it."""
+"""Tests of re-materialization inside a stack (lingvo_gpipe/layers/remat.py) against the plain
+layers without it."""
 
 import numpy as np
 import pytest

@@ -304,7 +304,8 @@ def testLmOnUnevenMicroBatchesEqualsTapeOverFPropTower():
 
 
 def _StackTask(loss, out_dim, schedule='1f1b', **kwargs):
-  from lingvo_gpipe.pipeline import gpipe  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  # pylint: disable-next=g-import-not-at-top,import-outside-toplevel
+  from lingvo_gpipe.pipeline import gpipe
   cells = [layers.ProjectionLayer.Params().Set(name='hidden', input_dim=6, output_dim=16,
                                                activation='RELU'),
            layers.ProjectionLayer.Params().Set(name='out', input_dim=16, output_dim=out_dim)]

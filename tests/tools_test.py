@@ -131,7 +131,8 @@ def testMemoryCurves(runs):
 
 @pytest.mark.parametrize('tool,args,message', [
     ('memory_curves', ['--per_device'], '--per_device needs --schedules'),
-    ('memory_curves', ['--schedules=1f1b', '--per_device', '--model=lm.synthetic.GPipeTransformerLmTiny'],
+    ('memory_curves',
+     ['--schedules=1f1b', '--per_device', '--model=lm.synthetic.GPipeTransformerLmTiny'],
      'a built-in model'),
     ('memory_curves', ['--schedules=1f1b,bogus'], "--schedules=['1f1b', 'bogus']"),
     ('plan_balance', ['--choose', '--schedule=gpipe'], '--choose picks the schedule and remat'),

@@ -45,7 +45,8 @@ def _Start(*flags, model=_MODEL, cpp_log_level='2', params_dir=_PARAMS_DIR):
              TF_CPP_MIN_LOG_LEVEL=cpp_log_level)
   if cpp_log_level is None:
     del env['TF_CPP_MIN_LOG_LEVEL']
-  args = [sys.executable, '-m', 'lingvo_gpipe.runners.trainer'] + ([f'--model={model}'] if model else [])
+  args = [sys.executable, '-m', 'lingvo_gpipe.runners.trainer'] + (
+      [f'--model={model}'] if model else [])
   return subprocess.Popen(args + list(flags), env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
 
@@ -687,7 +688,9 @@ _FULL_DISK_SCRIPT = r'''
 set -u
 d=$1
 mount -t tmpfs -o size=1m tmpfs "$d"
-train() { python -m lingvo_gpipe.trainer --model=toy.regression.PipelinedRegression "$@"; echo "exit $?"; }
+train() {
+  python -m lingvo_gpipe.trainer --model=toy.regression.PipelinedRegression "$@"; echo "exit $?";
+}
 fill() { dd if=/dev/zero of="$d/fill" bs=4k 2>/dev/null; truncate -s "-$1" "$d/fill"; }
 train --logdir="$d/log" --max_steps=2
 fill 0; echo '# full at start'; train --logdir="$d/new" --max_steps=2; ls -A "$d/new/train"

@@ -243,7 +243,8 @@ def _Run(tf, body):
 
 
 def _BuiltInStep(tf, config, devices=None, input_device=None):
-  from lingvo_gpipe.distribution import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from lingvo_gpipe.distribution import cluster as cluster_lib
   from lingvo_gpipe.pipeline import gpipe  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe import layers  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.pipeline import microbatch  # pylint: disable=g-import-not-at-top

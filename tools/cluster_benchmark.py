@@ -81,7 +81,8 @@ def _Loss(y):
 def _StepsPerSecond(config, device, forward_backward, variables):
   """Times calls of steps_per_call SGD steps; returns (first call s, [s per step])."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.distribution import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from lingvo_gpipe.distribution import cluster as cluster_lib
   rows, width, n = config['rows'], config['width'], config['steps_per_call']
   with tf.device(device):
     counter = tf.Variable(0, dtype=tf.int64, trainable=False, name='counter')
@@ -138,7 +139,8 @@ def _Pipeline(config):
   """Two stages on the cluster's two workers with M micro-batches; this process only
   dispatches."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.distribution import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from lingvo_gpipe.distribution import cluster as cluster_lib
   from lingvo_gpipe.pipeline import gpipe  # pylint: disable=g-import-not-at-top
   cluster_lib.Connect(config['spec'], timeout_secs=120)
   devices = cluster_lib.PipelineDevices(2)
@@ -164,7 +166,8 @@ def _Pipeline(config):
 def _Bubble(config, device, pipe):
   """Measured, simulated and theoretical bubble of forward-backward steps of `pipe`."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from lingvo_gpipe.distribution import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from lingvo_gpipe.distribution import cluster as cluster_lib
 
   def Body():
     with tf.device(device):

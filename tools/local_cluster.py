@@ -20,9 +20,10 @@ the tool exits with its exit code once the workers are stopped:
 
 Each worker is `python -m lingvo_gpipe.trainer --job=worker` in its own process
 group, optionally pinned to a core (--cpus, with taskset) and given a number of
-threads; on a machine with GPUs, worker i uses GPU i mod their count (--gpus). Ctrl-C, SIGTERM, SIGHUP or a worker that exits stops them all. Tests
-and tools use LocalCluster, a context manager that stops its workers however
-the block ends.
+threads; on a machine with GPUs, worker i uses GPU i mod their count (--gpus).
+Ctrl-C, SIGTERM, SIGHUP or a worker that exits stops them all. Tests and tools
+use LocalCluster, a context manager that stops its workers however the block
+ends.
 """
 
 import fcntl
@@ -44,7 +45,8 @@ binaries.QuietTensorFlow()  # Before lingvo_gpipe.distribution.cluster imports T
 
 # pylint: disable-next=g-import-not-at-top,wrong-import-position
 from lingvo_gpipe.distribution import cluster as cluster_lib
-import tensorflow as tf  # pylint: disable=g-import-not-at-top,wrong-import-position,g-bad-import-order
+# pylint: disable-next=g-import-not-at-top,wrong-import-position,g-bad-import-order
+import tensorflow as tf
 
 _HOST = 'localhost'
 
@@ -128,8 +130,8 @@ class LocalCluster:
 
   def Command(self, task):
     """The command line of worker `task`."""
-    command = [sys.executable, '-m', 'lingvo_gpipe.runners.trainer', '--job=worker', f'--task={task}',
-               f'--cluster_spec={self.spec_text}',
+    command = [sys.executable, '-m', 'lingvo_gpipe.runners.trainer', '--job=worker',
+               f'--task={task}', f'--cluster_spec={self.spec_text}',
                f'--worker_intra_op_threads={self._threads[0]}',
                f'--worker_inter_op_threads={self._threads[1]}', *self._worker_args]
     if self._num_gpus:

@@ -100,7 +100,8 @@ def _RunOnWorkers(config):
   over the steps after the first above what it holds after them (weights, gradient sums)."""
   import local_cluster  # pylint: disable=g-import-not-at-top
   tf = bench_utils.SetUpDevices(1)
-  from lingvo_gpipe.distribution import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from lingvo_gpipe.distribution import cluster as cluster_lib
   from lingvo_gpipe.foundation import memory_stats  # pylint: disable=g-import-not-at-top
   k, interval = config['stages'], 0.05
   with local_cluster.LocalCluster(k, intra_op_threads=1,
@@ -235,8 +236,8 @@ def _ScheduleSweep(base):
   table = bench_utils.MarkdownTable(results[1:], columns)
   rows = f'{FLAGS.micro_batch_rows} x M' if FLAGS.micro_batch_rows else FLAGS.rows
   notes = [f"{FLAGS.model}: L={FLAGS.layers}, N={rows}, K={k}, remat {FLAGS.remat}; "
-           f"plain model on {plain['rows']} rows {plain['peak_mb']:.1f} MB; load average before {base['load']}, after "
-           f'{bench_utils.Load()}']
+           f"plain model on {plain['rows']} rows {plain['peak_mb']:.1f} MB; load average before "
+           f"{base['load']}, after {bench_utils.Load()}"]
   bench_utils.Emit(table, dict(points=results), FLAGS.json_out, notes)
 
 

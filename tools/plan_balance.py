@@ -182,7 +182,8 @@ def main(argv):
   for name, p in own + [('planned', plan)]:
     prediction = p.Predict()
     for k_, stage in enumerate(p.Stages()):
-      rows.append(dict(split=name, policy=p.remat_policy, stage=k_, layers=', '.join(stage['layers']),
+      rows.append(dict(split=name, policy=p.remat_policy, stage=k_,
+                       layers=', '.join(stage['layers']),
                        forward_ms=stage['forward_s'] * 1e3, backward_ms=stage['backward_s'] * 1e3,
                        unmeasured=bool(unmeasured.intersection(stage['layers'])),
                        memory_mb=stage['memory_bytes'] / 2**20,

@@ -38,7 +38,8 @@ flags.DEFINE_integer('width', 256, 'Built-in stacks: width.')
 flags.DEFINE_integer('hidden', 1024, 'Built-in stacks: feed-forward hidden width.')
 flags.DEFINE_integer('rows', 64, 'Built-in stacks: batch rows (sequences for the Transformer).')
 flags.DEFINE_integer('seq_len', 64, 'Built-in Transformer: sequence length.')
-flags.DEFINE_string('remat_policy', 'none', 'Built-in stacks: cell_remat_policy (lingvo_gpipe/layers/remat.py).')
+flags.DEFINE_string('remat_policy', 'none',
+                    'Built-in stacks: cell_remat_policy (lingvo_gpipe/layers/remat.py).')
 flags.DEFINE_boolean('json', False, 'Also print the layers and stages as JSON, after the tables.')
 bench_utils.DefineOutputPath('json_out', None, 'Also write that JSON to this file.')
 bench_utils.RefuseBuiltInSizes(

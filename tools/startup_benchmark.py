@@ -120,9 +120,9 @@ def _TrainerStart(model, micro_batches):
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     started = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, '-m', 'lingvo_gpipe.runners.trainer', f'--model={model}', f'--logdir={logdir}',
-         '--max_steps=1', '--logtostderr', *overrides], capture_output=True, text=True, timeout=FLAGS.timeout,
-        check=False)
+        [sys.executable, '-m', 'lingvo_gpipe.runners.trainer', f'--model={model}',
+         f'--logdir={logdir}', '--max_steps=1', '--logtostderr', *overrides],
+        capture_output=True, text=True, timeout=FLAGS.timeout, check=False)
     wall = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
   lines = proc.stderr.splitlines()

@@ -167,8 +167,8 @@ def StartServer(spec, job, task, config=None):
     raise ClusterError(f'Cannot start {job} task {task} at {address}: {reason}.') from None
   logging.warning('%s task %d (%s in the cluster spec) listens on port %d of %s, '
                   'unauthenticated: whoever reaches the port can run any op as this user, '
-                  'reading and writing its files (docs/cluster.md: Security).', job, task, address, port,
-                  ListeningInterfaces())
+                  'reading and writing its files (docs/cluster.md: Security).', job, task, address,
+                  port, ListeningInterfaces())
   return server
 
 

@@ -2,9 +2,9 @@
 log level lets through (binaries.QuietTensorFlow's TensorFlow import).
 
 TensorFlow's libraries log while they load, before they read TF_CPP_MIN_LOG_LEVEL: only a
-filter on file descriptor 2 sees the lines. The filter is this script, run as a process of its own: each line is forwarded (or
-dropped) as it comes, and what was read is out even if the block kills the process (an
-illegal instruction, an abort).
+filter on file descriptor 2 sees the lines. The filter is this script, run as a process of
+its own: each line is forwarded (or dropped) as it comes, and what was read is out even if
+the block kills the process (an illegal instruction, an abort).
 
   with log_filter.Filtered(LogLevel()):
     import tensorflow

@@ -26,7 +26,8 @@ class ProjectionLayer(base_layer.BaseLayer):
     p.Define('input_dim', 0, 'Depth of the inputs (their last dimension).')
     p.Define('output_dim', 0, 'Depth of the outputs.')
     p.Define('has_bias', True, 'Whether to add a learned bias.')
-    p.Define('activation', 'NONE', f'Activation applied last, one of {list(layer_utils.ACTIVATIONS)}.')
+    p.Define('activation', 'NONE',
+             f'Activation applied last, one of {list(layer_utils.ACTIVATIONS)}.')
     return p
 
   def __init__(self, params):
@@ -54,7 +55,8 @@ class ProjectionLayer(base_layer.BaseLayer):
     out = shape[:-1].concatenate([params.output_dim])
     rows = layer_utils.NumElements(shape[:-1])
     flops = 2 * rows * params.input_dim * params.output_dim
-    return layer_utils.Meta(flops + layer_utils.BiasAndActivationFlops(params, layer_utils.NumElements(out)), out)
+    return layer_utils.Meta(
+        flops + layer_utils.BiasAndActivationFlops(params, layer_utils.NumElements(out)), out)
 
 
 class LayerNorm(base_layer.BaseLayer):
@@ -85,7 +87,8 @@ class LayerNorm(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, params, input_shape):
-    return layer_utils.Meta(layer_utils.NORM_FLOPS * layer_utils.NumElements(input_shape), input_shape)
+    return layer_utils.Meta(layer_utils.NORM_FLOPS * layer_utils.NumElements(input_shape),
+                            input_shape)
 
 
 class EmbeddingLayer(base_layer.BaseLayer):
@@ -192,7 +195,8 @@ class SimpleFullSoftmax(base_layer.BaseLayer):
     super().__init__(params)
     p = self.params
     layer_utils.CheckPositive(self, input_dim=p.input_dim, num_classes=p.num_classes)
-    layer_utils.CheckProb(self, 'label_smoothing', p.label_smoothing, low_open=False, high_open=True)
+    layer_utils.CheckProb(self, 'label_smoothing', p.label_smoothing, low_open=False,
+                          high_open=True)
     layer_utils.CreateNamedChildren(self, {'proj': self._ProjectionParams(p)})
 
   def Logits(self, theta, inputs):
@@ -299,9 +303,10 @@ class SequentialLayer(base_layer.BaseLayer):
     p = super().Params()
     p.Define('sub', [], 'Params of the sub-layers, in the order they run.')
     p.Define('remat_policy', remat.NONE,
-             "Which sub-layer outputs the forward keeps for the backward (lingvo_gpipe/layers/remat.py): "
-             "'none' (all activations), 'every_layer', 'every_N' (e.g. 'every_2') or layer "
-             "names joined by '+'; the rest is recomputed in the backward.")
+             "Which sub-layer outputs the forward keeps for the backward "
+             "(lingvo_gpipe/layers/remat.py): 'none' (all activations), 'every_layer', "
+             "'every_N' (e.g. 'every_2') or layer names joined by '+'; the rest is recomputed "
+             "in the backward.")
     return p
 
   def __init__(self, params):

@@ -19,7 +19,8 @@ class Conv2DLayer(base_layer.BaseLayer):
     p.Define('filter_stride', (1, 1), '[height stride, width stride].')
     p.Define('padding', 'SAME', f'One of {list(layer_utils.PADDINGS)}.')
     p.Define('has_bias', True, 'Whether to add a learned bias per output channel.')
-    p.Define('activation', 'NONE', f'Activation applied last, one of {list(layer_utils.ACTIVATIONS)}.')
+    p.Define('activation', 'NONE',
+             f'Activation applied last, one of {list(layer_utils.ACTIVATIONS)}.')
     return p
 
   def __init__(self, params):
@@ -45,9 +46,11 @@ class Conv2DLayer(base_layer.BaseLayer):
   @classmethod
   def FPropMeta(cls, params, input_shape):
     fh, fw, cin, cout = params.filter_shape
-    out = layer_utils.WindowOutputShape(input_shape, (fh, fw), params.filter_stride, params.padding, cout)
+    out = layer_utils.WindowOutputShape(input_shape, (fh, fw), params.filter_stride,
+                                        params.padding, cout)
     flops = 2 * layer_utils.NumElements(out) * fh * fw * cin
-    return layer_utils.Meta(flops + layer_utils.BiasAndActivationFlops(params, layer_utils.NumElements(out)), out)
+    return layer_utils.Meta(
+        flops + layer_utils.BiasAndActivationFlops(params, layer_utils.NumElements(out)), out)
 
 
 class PoolingLayer(base_layer.BaseLayer):
@@ -153,4 +156,5 @@ class BatchNormLayer(base_layer.BaseLayer):
 
   @classmethod
   def FPropMeta(cls, params, input_shape):
-    return layer_utils.Meta(layer_utils.NORM_FLOPS * layer_utils.NumElements(input_shape), input_shape)
+    return layer_utils.Meta(layer_utils.NORM_FLOPS * layer_utils.NumElements(input_shape),
+                            input_shape)

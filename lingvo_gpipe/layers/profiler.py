@@ -1,9 +1,10 @@
-"""Measuring layers one by one: forward and backward time, parameter, input and activation bytes.
+"""Measuring layers one by one: forward and backward time, parameter, input and activation
+bytes.
 
 The balance planner plans from these profiles; LayerCosts gives the per-layer
-costs PartitionSequentialLayers balances by (FLOPs, parameters or time). Each layer runs at the given batch size on
-random inputs (the previous layer's outputs), as a tf.function, so a profile
-is of the compiled step, not of Python.
+costs PartitionSequentialLayers balances by (FLOPs, parameters or time). Each
+layer runs at the given batch size on random inputs (the previous layer's
+outputs), as a tf.function, so a profile is of the compiled step, not of Python.
 """
 
 import dataclasses

@@ -100,7 +100,7 @@ class _GPipeStack(gpipe.PipeliningLayer):
     """The stack's layers across all cells, in order."""
     return [layer for cell in self.cell for layer in cell.sub]
 
-  # -- the params API (lingvo_gpipe/pipeline/pipeline_params.py) -----------------------------------------
+  # -- the params API (lingvo_gpipe/pipeline/pipeline_params.py) ------------------
 
   @classmethod
   def NumStagesOf(cls, p):

@@ -121,9 +121,9 @@ class PipeliningLayer(base_layer.BaseLayer):
              "activations) or 'never'. A backward split into B and W (zero-bubble schedules) "
              "recomputes its chunk in B whatever this says: its forward keeps only its input.")
     p.Define('cell_remat_policy', remat_lib.NONE,
-             "Re-materialization inside each cell (lingvo_gpipe/layers/remat.py), set as each cell's "
-             "remat_policy: 'none', 'every_layer', 'every_N' (e.g. 'every_2'), or layer names "
-             "joined by '+' whose outputs are kept (a cell holding none is one segment).")
+             "Re-materialization inside each cell (lingvo_gpipe/layers/remat.py), set as each "
+             "cell's remat_policy: 'none', 'every_layer', 'every_N' (e.g. 'every_2'), or layer "
+             "names joined by '+' whose outputs are kept (a cell holding none is one segment).")
     p.Define('schedule', 'gpipe',
              f'One of {list(named_schedules.SCHEDULE_NAMES)}: fill-drain (also under a tape), '
              '1F1B, interleaved 1F1B, zero-bubble H1/H2 and V (ForwardBackward); or your own '
@@ -136,12 +136,12 @@ class PipeliningLayer(base_layer.BaseLayer):
              'lists R x K devices, replica r stage k at devices[r * K + k].')
     p.Define('loop_steady_state', False,
              "Run a traced schedule's steady state (its stretch that repeats for micro-batch "
-             'after micro-batch: lingvo_gpipe/pipeline/steady_state.py) as one tf.while_loop, so that tracing '
-             'and graph optimization do not grow with M (the actions and their order stay the '
-             "schedule's). At K=8, M=64 it starts 1F1B 2.2x faster and steps 10-25% slower, "
-             'zero-bubble schedules 1.5x slower (docs/startup_measured.md): for short runs and '
-             "large M. Needs equal micro-batches; forwards kept on a tape (remat 'never') stay "
-             'unrolled.')
+             'after micro-batch: lingvo_gpipe/pipeline/steady_state.py) as one tf.while_loop, '
+             'so that tracing and graph optimization do not grow with M (the actions and their '
+             "order stay the schedule's). At K=8, M=64 it starts 1F1B 2.2x faster and steps "
+             '10-25% slower, zero-bubble schedules 1.5x slower (docs/startup_measured.md): for '
+             'short runs and large M. Needs equal micro-batches; forwards kept on a tape (remat '
+             "'never') stay unrolled.")
     p.Define('jit_compile', False,
              "Compile each cell's forward and backward step with XLA (placement and the "
              "pipeline between the steps stay outside the compiled functions); needs remat="
@@ -233,7 +233,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     """K * v: the cells."""
     return len(self.params.cell_tpl)
 
-  # -- the params API (lingvo_gpipe/pipeline/pipeline_params.py): how these params hold the layers ------
+  # -- the params API (lingvo_gpipe/pipeline/pipeline_params.py): how these params hold the layers
 
   @classmethod
   def NumStagesOf(cls, p):

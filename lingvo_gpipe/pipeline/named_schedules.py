@@ -283,7 +283,8 @@ def _Orders(name, num_stages, num_micro_batches, virtual_stages, placement):
 _VIRTUAL_STAGES = {'gpipe': 1, '1f1b': 1, 'interleaved_1f1b': None, 'zb_h1': 1, 'zb_h2': 1,
                    'zbv': 2}
 SCHEDULE_NAMES = tuple(_VIRTUAL_STAGES)
-# Schedules of one chunk per device: what a balance plan's stages (lingvo_gpipe/insight/planner.py) run.
+# Schedules of one chunk per device: what a balance plan's stages
+# (lingvo_gpipe/insight/planner.py) run.
 ONE_CHUNK_SCHEDULES = tuple(name for name, v in _VIRTUAL_STAGES.items() if v == 1)
 # Schedules that split each backward into B and W (and so recompute each chunk in B).
 SPLIT_SCHEDULES = ('zb_h1', 'zb_h2', 'zbv')

@@ -14,8 +14,8 @@ anyway, the gradients of the frontier ops' outputs (and of weight-side
 tensors that are outputs themselves), and hands them to W with the frontier
 ops' other inputs (their activations). W re-creates the weight-side and
 frontier ops from those tensors (same op, same attributes) and takes the
-weights' gradients through them alone (tf.gradients: W's graph has no tape): the activation chain is not
-walked again, and a projection's W is one matmul.
+weights' gradients through them alone (tf.gradients: W's graph has no tape):
+the activation chain is not walked again, and a projection's W is one matmul.
 
 This is the chain rule, exact however the weights are used (read twice, tied,
 transposed, read outside their layer): the weights' gradient is the sum, over

@@ -1,4 +1,5 @@
-"""Transformer encoder-decoders on synthetic translation (input_generators.SyntheticSeq2SeqInput)."""
+"""Transformer encoder-decoders on synthetic translation
+(input_generators.SyntheticSeq2SeqInput)."""
 
 from lingvo_gpipe.inputs import input_generators
 from lingvo_gpipe.models import model_registry
