@@ -214,7 +214,8 @@ def _ParseAction(token):
     raise ValueError(f"Schedule text: {token!r} is not an action like F3@0, BW3@0, B3@1, W3@1, "
                      "L3@1 or L*@1.")
   kind, m, c = match.groups()
-  return schedule_actions.Action(kind, schedule_actions.ALL if m == '*' else int(m), int(c))
+  return schedule_actions.Action(schedule_actions.Kind(kind),
+                                 schedule_actions.ALL if m == '*' else int(m), int(c))
 
 
 def TheoreticalBubble(num_stages: int, num_micro_batches: int) -> float:

@@ -24,17 +24,28 @@ Separate from the named schedules (named_schedules.py) and the Schedule class
 """
 
 import collections
+import enum
 from typing import Callable, NamedTuple
 
-FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD, LOSS = 'F', 'B', 'W', 'BW', 'L'
-KINDS = (FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD, LOSS)
+
+class Kind(enum.StrEnum):
+  """An action's kind; a str, so it prints, compares and keys a dict as its letter."""
+  FORWARD = 'F'
+  INPUT_GRAD = 'B'
+  WEIGHT_GRAD = 'W'
+  BACKWARD = 'BW'
+  LOSS = 'L'
+
+
+FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD, LOSS = Kind
+KINDS = tuple(Kind)
 ALL = -1  # The micro_batch of a whole-batch loss L(*).
 UNIT_COSTS = {FORWARD: 1, INPUT_GRAD: 1, WEIGHT_GRAD: 1, BACKWARD: 2, LOSS: 0}
 
 
 class Action(NamedTuple):
-  """One step (a KINDS letter) of a micro-batch (or ALL) on a chunk."""
-  kind: str
+  """One step (a Kind) of a micro-batch (or ALL) on a chunk."""
+  kind: Kind
   micro_batch: int
   chunk: int
 
