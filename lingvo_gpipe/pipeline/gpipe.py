@@ -29,6 +29,8 @@ re-materialization is therefore an explicit recompute-then-differentiate of
 each chunk, the same idea as tf.recompute_grad with the accumulation in our hands.
 """
 
+from typing import Any, Callable, Optional, Sequence
+
 from absl import logging
 import tensorflow as tf
 
@@ -84,7 +86,8 @@ class FeatureExtractionLayer(layers.SequentialLayer):
     if unknown:
       raise ValueError(f'{self.path}: act_fetch_layers {unknown} are not sub-layers {names}.')
 
-  def FPropWithActivations(self, theta, *args):
+  def FPropWithActivations(self, theta: py_utils.NestedMap,
+                           *args) -> tuple[Any, py_utils.NestedMap]:
     """(outputs, NestedMap of the act_fetch_layers' outputs)."""
     return self.FPropAndOutputs(theta, args, self.params.act_fetch_layers)
 
@@ -207,7 +210,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   def num_replicas(self):
     return self.params.num_replicas
 
-  def ReplicaDevices(self, replica):
+  def ReplicaDevices(self, replica: int) -> list[str]:
     """The device of each chunk of one replica (replica 0's hold the weights)."""
     stages = self._devices[replica * self.num_stages:(replica + 1) * self.num_stages]
     return [stages[k] for k in self._placement]
@@ -235,7 +238,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   # -- the params API (lingvo_gpipe/pipeline/pipeline_params.py): how these params hold the layers
 
   @classmethod
-  def NumStagesOf(cls, p):
+  def NumStagesOf(cls, p: hyperparams.Params) -> int:
     """K (devices) of pipeline params `p`, without building anything."""
     return cls._StagesOf(p, len(p.cell_tpl))
 
@@ -290,7 +293,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     """Shares weights among layers built from LayersAndEnds, as the pipeline itself does."""
     del p, layer_list  # Nothing is shared in a plain pipeline.
 
-  def NumMicroBatches(self, batch_size):
+  def NumMicroBatches(self, batch_size: Optional[int]) -> int:
     """M of each replica for a whole batch of `batch_size` rows (None: unknown at trace time).
 
     M need not divide the rows: micro-batches then differ by a row. A batch of
@@ -301,11 +304,11 @@ class PipeliningLayer(base_layer.BaseLayer):
     return microbatch.NumMicroBatches(batch_size, p.num_micro_batches, p.micro_batch_size,
                                       p.num_replicas, allow_empty=True)
 
-  def GetSchedule(self, batch_size):
+  def GetSchedule(self, batch_size: Optional[int]) -> schedule_lib.Schedule:
     """The schedule a batch of `batch_size` runs; print it to see it."""
     return self.ScheduleFor(self.NumMicroBatches(batch_size))
 
-  def ScheduleFor(self, num_micro_batches):
+  def ScheduleFor(self, num_micro_batches: Optional[int]) -> schedule_lib.Schedule:
     """The checked schedule at M = num_micro_batches (None: M not known yet, not kept)."""
     p = self.params
     sched = self._schedules.get(num_micro_batches)
@@ -332,7 +335,8 @@ class PipeliningLayer(base_layer.BaseLayer):
       layer = layer.sub[-1 if last else 0]
     return layer.fprop_dtype
 
-  def CellFProp(self, c, theta, args):
+  def CellFProp(self, c: int, theta: py_utils.NestedMap,
+                args: tuple) -> tuple[tuple, py_utils.NestedMap]:
     """Chunk c's (output argument tuple, fetched activations), floats in _HandOverDType."""
     cell = self.cell[c]
     try:
@@ -352,7 +356,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   # The pipeline is plain Python run at trace time: AutoGraph converting it (when a
   # caller's tf.function has autograph on) only costs time, ~25 s at K=4, M=32.
   @tf.autograph.experimental.do_not_convert
-  def FProp(self, theta, *inputs):
+  def FProp(self, theta: py_utils.NestedMap, *inputs):
     """Pipelined forward; differentiable (fill-drain backward) with tf.GradientTape.
 
     Returns the whole batch's outputs, and, if any cell fetches activations,
@@ -373,8 +377,9 @@ class PipeliningLayer(base_layer.BaseLayer):
     return self.Result(outputs, acts)
 
   @tf.autograph.experimental.do_not_convert
-  def ForwardBackward(self, theta, inputs, loss_fn, labels=None, with_outputs=False,
-                      loss_reduction=None):
+  def ForwardBackward(self, theta: py_utils.NestedMap, inputs, loss_fn: Callable[..., Any],
+                      labels=None, with_outputs: bool = False,
+                      loss_reduction: Optional[str] = None) -> tuple:
     """(loss, grads) of loss_fn(outputs) by the configured schedule.
 
     Args:
@@ -446,7 +451,8 @@ class PipeliningLayer(base_layer.BaseLayer):
 # -- partitioning ------------------------------------------------------------------
 
 
-def PartitionSequentialLayers(layer_params_list, num_partitions, input_shape, cost='auto'):
+def PartitionSequentialLayers(layer_params_list: Sequence[hyperparams.Params], num_partitions: int,
+                              input_shape, cost: Any = 'auto') -> list[hyperparams.Params]:
   """Cuts a layer list into `num_partitions` balanced FeatureExtractionLayer params.
 
   Args:
@@ -469,7 +475,8 @@ def PartitionSequentialLayers(layer_params_list, num_partitions, input_shape, co
   return CellsFromEnds(named, partition.Balance(costs, num_partitions))
 
 
-def CellsFromEnds(layer_params_list, ends, act_fetch_layers=()):
+def CellsFromEnds(layer_params_list: Sequence[hyperparams.Params], ends: Sequence[int],
+                  act_fetch_layers: Sequence[str] = ()) -> list[hyperparams.Params]:
   """FeatureExtractionLayer params cell0.. holding layers [ends[k-1], ends[k]).
 
   act_fetch_layers: names of layers whose outputs are fetched, in whichever cell.

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import numbers
 import os
+from typing import Any, Callable, Iterator, Optional
 
 from absl import logging
 import numpy as np
@@ -276,7 +277,8 @@ class Estimator:
 
   # -- public API ------------------------------------------------------------------------
 
-  def train(self, input_fn, max_steps=None, steps=None):
+  def train(self, input_fn: Callable[..., tf.data.Dataset], max_steps: Optional[int] = None,
+            steps: Optional[int] = None) -> 'Estimator':
     """Trains `steps` more steps, or up to global step `max_steps`, or until the input ends.
 
     It holds model_dir's trainer lock (run_lock) meanwhile, as the trainer does: a trainer
@@ -318,7 +320,8 @@ class Estimator:
                             self._Writer(self.model_dir), settings,
                             base_runner.BatchSize(dataset.element_spec))
 
-  def evaluate(self, input_fn, steps=None):
+  def evaluate(self, input_fn: Callable[..., tf.data.Dataset],
+               steps: Optional[int] = None) -> dict[str, Any]:
     """Metrics over `steps` batches (default: until the input ends) of the latest checkpoint.
 
     An input that repeats forever (tf.data's INFINITE_CARDINALITY) needs `steps`; one
@@ -342,7 +345,7 @@ class Estimator:
                              self.global_step, metrics)
     return dict(metrics, global_step=self.global_step)
 
-  def predict(self, input_fn):
+  def predict(self, input_fn: Callable[..., tf.data.Dataset]) -> Iterator[dict[str, Any]]:
     """Yields one dict name -> numpy value per example, from the latest checkpoint."""
     dataset = self._Dataset(input_fn, ModeKeys.PREDICT)
     self._Restore(dataset.element_spec, ModeKeys.PREDICT)
@@ -353,7 +356,7 @@ class Estimator:
       for i in range(len(next(iter(batch.values())))):
         yield {name: value[i] for name, value in batch.items()}
 
-  def export_saved_model(self, export_dir, input_fn):
+  def export_saved_model(self, export_dir: str, input_fn: Callable[..., tf.data.Dataset]) -> str:
     """Writes a SavedModel of the latest checkpoint's predictions; returns export_dir.
 
     Its 'serving_default' signature takes the features of input_fn's elements

@@ -18,11 +18,13 @@ that layer's largest value.
 """
 
 import dataclasses
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.foundation import errors
+from lingvo_gpipe.foundation import hyperparams
 from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.pipeline import pipeline_params
 from lingvo_gpipe.pipeline import schedule as schedule_lib
@@ -31,7 +33,7 @@ from lingvo_gpipe.training import checkpointer as checkpointer_lib
 from lingvo_gpipe.training import learner as learner_lib
 
 
-def UnpipelinedParams(model_params):
+def UnpipelinedParams(model_params: hyperparams.Params) -> hyperparams.Params:
   """A copy of model params whose pipelines run as one stage on one device, same micro-batches."""
   plain = model_params.Copy()
   for _, p in pipeline_params.Find(plain.task):
@@ -124,7 +126,8 @@ def _Build(model_params, checkpoint_dir):
   return task, Step, restored
 
 
-def CheckPipeline(model_params, num_steps=3, tolerance=1e-4, checkpoint_dir=None):
+def CheckPipeline(model_params: hyperparams.Params, num_steps: int = 3, tolerance: float = 1e-4,
+                  checkpoint_dir: Optional[str] = None) -> 'Report':
   """Trains model_params pipelined and unpipelined num_steps steps; returns the Report."""
   if num_steps < 1 or not tolerance > 0:
     raise errors.UserError(f'check_pipeline needs num_steps >= 1 and tolerance > 0; got '

@@ -12,13 +12,17 @@ the runner stops before saving it: a saved checkpoint is always finite.
 tf.function call (TPUEstimator's iterations_per_loop).
 """
 
+from typing import Any, Callable, Sequence
+
 import tensorflow as tf
 
+from lingvo_gpipe.foundation import hyperparams
 from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.insight import pipeline_stats
 
 
-def GradientsAndVariables(theta, grads):
+def GradientsAndVariables(theta: py_utils.NestedMap,
+                          grads: py_utils.NestedMap) -> list[tuple[tf.Tensor, tf.Variable]]:
   """[(gradient, variable)] of the trainable variables of `theta`, one per variable.
 
   Non-trainable leaves are skipped. A variable tied across pipeline stages
@@ -44,7 +48,8 @@ class Learner:
     global_step: an int64 tf.Variable counting the steps done (applied or skipped).
   """
 
-  def __init__(self, train_params, variables, global_step):
+  def __init__(self, train_params: hyperparams.Params, variables: Sequence[tf.Variable],
+               global_step: tf.Variable):
     self._train_params = train_params.Copy().Freeze()
     self.global_step = global_step
     self.optimizer = train_params.optimizer.Instantiate()
@@ -61,10 +66,11 @@ class Learner:
       state['loss_scale'] = self.loss_scale
     return state
 
-  def LearningRate(self, step):
+  def LearningRate(self, step: tf.Tensor) -> tf.Tensor:
     return self._train_params.learning_rate * self._schedule.Value(step)
 
-  def Apply(self, step, metrics, grads_and_vars):
+  def Apply(self, step: tf.Tensor, metrics: py_utils.NestedMap,
+            grads_and_vars: Sequence[tuple[tf.Tensor, tf.Variable]]) -> py_utils.NestedMap:
     """Applies one step's gradients, unless the loss, gradients or learning rate are not finite.
 
     Args:
@@ -113,7 +119,7 @@ class Learner:
       metrics, grads_and_vars = forward_backward_fn(element)
     return self.Apply(step, metrics, grads_and_vars)
 
-  def BuildLoop(self, element_spec, forward_backward_fn):
+  def BuildLoop(self, element_spec, forward_backward_fn: Callable[[Any], tuple]) -> Callable:
     """A tf.function (iterator, num_steps) -> the last step's Apply outputs, and `skips`:
     the steps of this call skipped for a float16 overflow.
 
@@ -154,7 +160,7 @@ class Learner:
 
     return Loop
 
-  def BuildMeasuredStep(self, forward_backward_fn):
+  def BuildMeasuredStep(self, forward_backward_fn: Callable[[Any], tuple]) -> Callable:
     """A function iterator -> (Apply outputs, pipeline_stats.Timeline) of one training step.
 
     The step is BuildLoop's, run with the pipelines' step timing on
