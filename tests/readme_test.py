@@ -211,6 +211,14 @@ def testReadmeLinksEveryDocsPageAndIsShort():
   assert size <= 10000, f'README.md has {size} characters, more than 10,000: move some to docs/'
 
 
+def testTheReadmesPictureIsWhatTheLibraryPrints():
+  """The K x M picture is the grid of GPipe's fill-drain at K=4, M=4, as Schedule prints it."""
+  from lingvo_gpipe.pipeline import schedule  # pylint: disable=g-import-not-at-top
+  grid = str(schedule.Schedule('gpipe', 4, 4)).splitlines()[1:]
+  picture = '\n'.join('    ' + row for row in grid)
+  assert picture in _Read('README.md'), f'README.md should show, indented by 4:\n{picture}'
+
+
 def testBenchmarksIndexLinksEveryDatedPageNewestFirst():
   """docs/benchmarks/README.md lists each dated page once, newest first, and is linked."""
   index = os.path.join('docs', 'benchmarks', 'README.md')
