@@ -15,10 +15,11 @@ from lingvo_gpipe.pipeline import pass_state
 class PassResults(pass_state.PassState):
   """A pass's merged results, and the output gradients its caller hands in."""
 
-  def ThetaGrads(self):
-    """Per chunk, the sum of its weight gradients over the micro-batches."""
+  def GradientSums(self):
+    """Per chunk, the sum of its weight gradients over the micro-batches (read after the
+    last add, `last_adds`)."""
     return [self.functions[c].grad_sum.Read(self.thetas[c], added)
-            for c, added in enumerate(self.theta_grads)]
+            for c, added in enumerate(self.last_adds)]
 
   def MergedOutputs(self):
     """(outputs, fetched activations) of the whole batch."""

@@ -85,8 +85,8 @@ class PassState:
     self.act_grads = {}
     self.input_grads = {}
     # Per chunk, the token of its last weight-gradient add or of its Zero (None before): the sum
-    # itself is in the chunk's GradientSum (ThetaGrads reads it).
-    self.theta_grads = [None] * self.num_chunks
+    # itself is in the chunk's GradientSum (GradientSums reads it).
+    self.last_adds = [None] * self.num_chunks
     self.tokens = [[] for _ in self.devices]
     self.earlier_tokens = [[] for _ in self.devices]  # Those of the action before last.
     self.awaited = set()  # Actions whose device waits idle for their input (Replicas.Execute).
@@ -181,14 +181,14 @@ class PassState:
   def _LastAdd(self, c, waits):
     """The tokens chunk c's next weight-gradient add waits for: its last add, or a Zero of
     its sum (made after `waits`) before the pass's first."""
-    if self.theta_grads[c] is None:
+    if self.last_adds[c] is None:
       with tf.control_dependencies(waits):
-        self.theta_grads[c] = self.functions[c].Zero(self.thetas[c])
-    return waits + [self.theta_grads[c]]
+        self.last_adds[c] = self.functions[c].Zero(self.thetas[c])
+    return waits + [self.last_adds[c]]
 
   def _Added(self, c, token):
     """Records chunk c's latest weight-gradient add."""
-    self.theta_grads[c] = token
+    self.last_adds[c] = token
     return token
 
   def _Clock(self, device):

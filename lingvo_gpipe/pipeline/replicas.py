@@ -116,11 +116,11 @@ class Replicas:
     return self._Merge([one.MergedInputGradients() for one in self.passes])
 
   @property
-  def theta_grads(self):
+  def gradient_sums(self):
     """Per chunk, the weight gradients summed over replicas on replica 0's device."""
     if len(self.passes) == 1:
-      return self.passes[0].ThetaGrads()
-    per_replica = [one.ThetaGrads() for one in self.passes]
+      return self.passes[0].GradientSums()
+    per_replica = [one.GradientSums() for one in self.passes]
     sums = []
     for c, device in enumerate(self._layer.ReplicaDevices(0)):
       with tf.device(device):

@@ -130,7 +130,7 @@ def _Carried(one, shift=0):
   how far the keys are ahead of them)."""
   state = {name: _Shifted(getattr(one, name), -shift) for name in _CARRIED}
   state.update(tokens=list(one.tokens), earlier_tokens=list(one.earlier_tokens),
-               theta_grads=list(one.theta_grads))
+               last_adds=list(one.last_adds))
   return state
 
 
@@ -138,7 +138,7 @@ def _SetCarried(one, state, shift=0):
   for name in _CARRIED:
     setattr(one, name, _Shifted(state[name], shift))
   one.tokens, one.earlier_tokens = list(state['tokens']), list(state['earlier_tokens'])
-  one.theta_grads = list(state['theta_grads'])
+  one.last_adds = list(state['last_adds'])
 
 
 _TENSOR = object()  # Where _Split took a tensor out.

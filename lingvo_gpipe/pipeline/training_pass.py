@@ -73,7 +73,7 @@ def ForwardBackward(layer, theta, inputs, loss_fn, labels, with_outputs, loss_re
   grads = py_utils.NestedMap(
       before=theta.before if before_tape is None else _BeforeGradients(
           layer, theta, before_tape, args, run.MergedInputGradients()),
-      cell=run.theta_grads).Transform(lambda g: g * tf.cast(scale, g.dtype))
+      cell=run.gradient_sums).Transform(lambda g: g * tf.cast(scale, g.dtype))
   loss = merged if metrics[0][1] else merged.loss[0]
   return (loss, grads, layer.Result(*run.MergedOutputs())) if with_outputs else (loss, grads)
 
@@ -169,7 +169,7 @@ def DifferentiableForward(layer, thetas, args, num):
       run.SetOutputGradients(*d_out)
       run.Execute(actions[loss_at + 1:])
       d_args = tf.nest.flatten(run.MergedInputGradients())
-      return tf.nest.flatten(run.theta_grads) + [d_args[i] for i in arg_pos]
+      return tf.nest.flatten(run.gradient_sums) + [d_args[i] for i in arg_pos]
 
     return [flat_out[i] for i in out_pos], Grad
 
