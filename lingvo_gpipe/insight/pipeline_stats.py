@@ -59,11 +59,10 @@ def StackTimes(records):
   """[N, 3] float64 tensor of (start, end, recompute_end or NaN) of the records, in order.
 
   Each device's stamps are stacked on that device, so its times leave it as one
-  tensor once its last action is done. Stacked elsewhere, every stamp was sent
-  off its device as soon as it existed: on two worker processes each send took
-  0.1-0.2 ms of the device's only thread between two of its actions, which the
-  measured step counted as idle (a few points of bubble, more for schedules
-  with more actions).
+  tensor once its last action is done. Stacked elsewhere, every stamp would be
+  sent off its device as soon as it exists, each send taking the device's thread
+  between two of its actions: time the measured step counts as idle, more of it
+  for schedules with more actions (docs/benchmarks/2026-11-29-schedules.md).
   """
   if not records:
     return tf.zeros([0, 3], tf.float64)

@@ -13,8 +13,8 @@ backward re-runs the cell keeping the boundaries, then each segment again.
 A segment is what tf.recompute_grad makes of a function (a custom gradient that
 re-runs it under a tape of its own), but it waits for its output gradients by
 a control dependency: tf.recompute_grad adds a zero computed from them to every
-input, which copies the segment's weights at each recompute (a cell recomputed
-as one segment that way peaked 0.85x its weights higher than without it).
+input, which copies the segment's weights at each recompute (so the peak memory
+grows by up to a copy of the segment's weights).
 
 Policies (POLICIES):
   'none'          no segments: the tape keeps every activation (the default).

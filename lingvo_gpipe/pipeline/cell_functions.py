@@ -64,7 +64,7 @@ class GradientSum:
 def CreateGradientSums(layer):
   """Makes a PipeliningLayer's gradient sums now, shaped like its cells' variables (tied ones
   included, so once the model is whole): the trainer calls it before it traces its step,
-  which would otherwise make them and so trace twice (seconds of every start)."""
+  which would otherwise make them and so trace the step twice at every start."""
   for functions in layer.cell_functions:
     for function, cell in zip(functions, layer.cell):
       function.grad_sum.Variables(cell.vars)
@@ -133,8 +133,9 @@ def _Context(layer, where, step, training, updates=None):
 class CellFunctions:
   """Chunk c's actions, each traced once as a function: one call op per action.
 
-  Unrolled inline, K=8 cells over M=64 micro-batches made 60-80 ops per action
-  and a minute of tracing; a call's ops are traced once per chunk, whatever M.
+  Inlined, every action would add its chunk's ops to the step's graph, so graph
+  size and tracing would grow with K x M; a call's ops are traced once per chunk,
+  whatever M (docs/benchmarks/2026-12-01-startup.md).
   `_noinline` stops TensorFlow from inlining the calls back before it optimizes
   the graph. Where the micro-batch sits in the batch and the step are tensor
   arguments, so one trace serves every micro-batch; batch-norm statistics come

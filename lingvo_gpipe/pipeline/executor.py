@@ -94,9 +94,10 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
 
     A device's first action of a pass (`awaited`) waits idle for its input. The
     sender's next action is ready at once, and on a worker process whose one core
-    runs it, TensorFlow's send of `value` waited for a thread behind it: 2-4 ms
-    per step on two workers, against 0.2 later. For those hand-overs the value is
-    copied onto the receiver, and the sender goes on once the copy exists.
+    runs it, TensorFlow's send of `value` would wait for a thread behind that
+    action, and the receiver with it (docs/benchmarks/2026-11-29-schedules.md). For
+    those hand-overs the value is copied onto the receiver, and the sender goes on
+    once the copy exists.
     """
     to_device = self.devices[consumer.chunk]
     if (consumer not in self.awaited or to_device == self.devices[sender] or

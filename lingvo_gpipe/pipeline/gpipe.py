@@ -175,8 +175,8 @@ class PipeliningLayer(base_layer.BaseLayer):
       raise ValueError(f'Set num_micro_batches ({p.num_micro_batches}) or micro_batch_size '
                        f'({p.micro_batch_size}), not both: leave num_micro_batches at 1.')
     # A bad schedule, chunks per device or M fails here, not at the first batch; the
-    # schedule places the chunks on the devices. Built and checked once per M (zbv at
-    # K=8, M=64 takes half a second), here and then as batches need them.
+    # schedule places the chunks on the devices. Built and checked once per M (the check
+    # runs every action, zbv's search several greedy runs), here and then as batches need them.
     self._schedules = {}
     self._placement = self.ScheduleFor(None if p.micro_batch_size else p.num_micro_batches
                                      ).placement
@@ -354,7 +354,7 @@ class PipeliningLayer(base_layer.BaseLayer):
   # -- public entry points --------------------------------------------------------
 
   # The pipeline is plain Python run at trace time: AutoGraph converting it (when a
-  # caller's tf.function has autograph on) only costs time, ~25 s at K=4, M=32.
+  # caller's tf.function has autograph on) only costs trace time, which grows with K x M.
   @tf.autograph.experimental.do_not_convert
   def FProp(self, theta: py_utils.NestedMap, *inputs):
     """Pipelined forward; differentiable (fill-drain backward) with tf.GradientTape.

@@ -21,9 +21,9 @@ def MicroBatchWheres(sizes, offsets):
   vector.
 
   Grappler specializes a function for each call with constant inputs (here:
-  the micro-batch offset), which for K x M calls takes minutes; it does not
-  fold a PlaceholderWithDefault, which keeps the table variable: two ops and a
-  constant per device and pass, not some per action.
+  the micro-batch offset), which costs optimization time for each of the K x M
+  calls; it does not fold a PlaceholderWithDefault, which keeps the table
+  variable: two ops and a constant per device and pass, not some per action.
   """
   table = tf.cast(tf.stack([tf.stack([o, s]) for o, s in zip(offsets, sizes)]), tf.int64)
   table = tf.raw_ops.PlaceholderWithDefault(input=table, shape=[len(sizes), 2])

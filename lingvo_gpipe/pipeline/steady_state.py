@@ -4,10 +4,10 @@ A schedule's steady state does the same actions over and over, each time for
 micro-batches `stride` further on: 1F1B's is one forward and one backward per
 stage. Traced one call op per action, a pass at K=8, M=64 is a thousand calls,
 each taking every weight of its chunk as an input: tracing, Grappler and
-placement then cost seconds per hundred calls. Run as a tf.while_loop over one
-period, the calls are traced once, whatever M. The actions, their order on
-each device and their inputs stay the schedule's (executor.Pass runs the
-period's actions with the micro-batch of each iteration).
+placement then grow with the calls (docs/benchmarks/2026-12-02-startup.md). Run
+as a tf.while_loop over one period, the calls are traced once, whatever M. The
+actions, their order on each device and their inputs stay the schedule's
+(executor.Pass runs the period's actions with the micro-batch of each iteration).
 """
 
 import copy
@@ -237,8 +237,8 @@ def _Loop(one, period, repeats, stride, run):
   # Without automatic control dependencies: in a tf.function they make every value an
   # iteration hands on wait for all of its stateful ops (the calls), so no iteration would
   # start before the last ended; each device's order is the actions' own tokens. Not
-  # inlined: inlined, such a function has no control outputs, and what was ordered after
-  # its call no longer was (the weight gradients came out different in 1 to 27 of 30 steps).
+  # inlined: inlined, such a function has no control outputs, and what is ordered after
+  # its call is not (the weight-gradient adds then race).
   @py_utils.DistinctFunction(autograph=False, name='steady_state',
                              experimental_attributes={'_disable_acd': True, '_noinline': True})
   def Loop(tensors):

@@ -21,8 +21,8 @@ def _Now(clock, device):
   would make each device's stamps wait for the other devices' steps. A call that
   takes a resource it only reads is ordered by nothing but its own inputs. The
   device is named inside (one trace per device): an inlined body op without
-  one ran on the first worker process for every device, so a later stage's
-  stamps waited for a round trip to it and its actions looked 10-20% longer.
+  one runs on the first worker process for every device, so a later stage's
+  stamps would wait for a round trip to it and its actions would look longer.
   """
   del clock  # Only its presence as an input matters.
   with tf.device(device):
@@ -78,10 +78,10 @@ class StepTracer:
 
   A record: replica, stage (the device), chunk, kind, micro_batch, start, end
   and, for a re-materialized backward, recompute_end. The device's next action
-  waits for the end stamp too: without that, the stamp queued behind the next
-  action's first ops (up to one matmul late), which made a last stage, whose
-  loss and backward follow its forward at once, look 10-20% slower per action
-  than the first on two worker processes, while both ran the same ops as fast.
+  waits for the end stamp too: without that, the stamp can queue behind the next
+  action's first ops (up to one matmul late), so a stage whose actions follow
+  each other at once (the last: its loss and backward follow its forward) would
+  look slower per action than another running the same ops as fast.
   """
 
   def __init__(self, records, clocks):

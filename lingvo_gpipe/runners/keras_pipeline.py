@@ -251,8 +251,8 @@ class PipelineModel(keras.Model):
     optimizer = getattr(self, 'optimizer', None)
     step = optimizer.iterations if training and optimizer is not None else None
     # Under a mixed policy keras.Model.__call__ opens an autocast scope of the compute dtype;
-    # within it a float32 layer's weights reached the layer rounded to that dtype (predictions
-    # were Keras's with a float32 head's weights rounded to bfloat16). Cleared, each layer
+    # within it a float32 layer's weights would reach the layer rounded to that dtype (a
+    # float32 head would predict with bfloat16 weights, unlike Keras's). Cleared, each layer
     # opens its own scope, as in fit(), whose train_step runs outside __call__; where Keras
     # opened none (a policy that is not mixed), none is added.
     autocast = (keras_backend.AutocastScope(None)

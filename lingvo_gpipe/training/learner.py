@@ -135,7 +135,7 @@ class Learner:
 
     # Traced once; the loop body calls the traced step, whose output structure
     # gives the loop's initial state. Without AutoGraph: layers use Python
-    # control flow on static values only, and converting them costs seconds.
+    # control flow on static values only, and converting them only adds trace time.
     step_fn = tf.function(Step, autograph=False).get_concrete_function(element_spec,
                                                       tf.TensorSpec([], tf.int64))
 
