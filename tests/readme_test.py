@@ -12,8 +12,8 @@ An HTML comment before each fenced block says how the block is checked:
   <!-- readme_test: tree -->         every file and folder the listing names exists.
 
 A block without a comment fails. The blocks are tests in page order, README.md first, then
-docs/*.md by name, then the dated results docs/benchmarks/*.md by name; the blocks of one page share one temporary directory, so a block may use
-what an earlier block of its page made. Two substitutions make the commands run here as written:
+docs/*.md by name, then the dated results docs/benchmarks/*.md by name; the blocks of one page
+share one temporary directory, so a block may use what an earlier block of its page made. Two substitutions make the commands run here as written:
   * `.venv/bin/python`, the environment the README's install makes, is this test's
     interpreter: run the test where this checkout is installed (as .ci/run's .venv is);
     testInterpreterImportsThisCheckout fails otherwise;
