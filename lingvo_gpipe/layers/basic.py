@@ -55,8 +55,7 @@ class ProjectionLayer(base_layer.BaseLayer):
     out = shape[:-1].concatenate([params.output_dim])
     rows = layer_utils.NumElements(shape[:-1])
     flops = 2 * rows * params.input_dim * params.output_dim
-    return layer_utils.Meta(
-        flops + layer_utils.BiasAndActivationFlops(params, layer_utils.NumElements(out)), out)
+    return layer_utils.MetaWithBiasAndActivation(params, flops, out)
 
 
 class LayerNorm(base_layer.BaseLayer):

@@ -49,8 +49,7 @@ class Conv2DLayer(base_layer.BaseLayer):
     out = layer_utils.WindowOutputShape(input_shape, (fh, fw), params.filter_stride,
                                         params.padding, cout)
     flops = 2 * layer_utils.NumElements(out) * fh * fw * cin
-    return layer_utils.Meta(
-        flops + layer_utils.BiasAndActivationFlops(params, layer_utils.NumElements(out)), out)
+    return layer_utils.MetaWithBiasAndActivation(params, flops, out)
 
 
 class PoolingLayer(base_layer.BaseLayer):

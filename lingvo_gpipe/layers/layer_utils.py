@@ -125,8 +125,11 @@ def ChainedMeta(params_list, *input_shapes):
   return py_utils.NestedMap(flops=flops, out_shapes=tuple(input_shapes))
 
 
-def BiasAndActivationFlops(p, num_outputs):
-  return num_outputs * (int(p.has_bias) + int(p.activation != 'NONE'))
+def MetaWithBiasAndActivation(p, flops, out_shape):
+  """FPropMeta of a projection or convolution: its FLOPs plus those of its bias-and-activation
+  tail over every output."""
+  tail = NumElements(out_shape) * (int(p.has_bias) + int(p.activation != 'NONE'))
+  return Meta(flops + tail, out_shape)
 
 
 def WindowOutputSize(size, window, stride, padding):
