@@ -44,10 +44,9 @@ import os
 import signal
 import sys
 
-from lingvo_gpipe.foundation import errors
 from lingvo_gpipe.runners import binaries
 
-binaries.QuietTensorFlow()  # Before TensorFlow is imported.
+binaries.QuietTensorFlow()  # Before TensorFlow is imported (foundation.errors imports it).
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
@@ -55,6 +54,7 @@ from absl import logging
 
 from lingvo_gpipe.distribution import cluster as cluster_lib
 from lingvo_gpipe.foundation import devices as devices_lib
+from lingvo_gpipe.foundation import errors
 from lingvo_gpipe.foundation import memory_stats
 from lingvo_gpipe.models import model_registry
 from lingvo_gpipe.runners import base_runner
