@@ -78,3 +78,12 @@ def testFacadesReExportLingvoPaths(facade, target, name):
   a = importlib.import_module(f'lingvo_gpipe.{facade}')
   b = importlib.import_module(f'lingvo_gpipe.{target}')
   assert getattr(a, name) is getattr(b, name)
+
+
+def testTheErrorsModuleImportsNoTensorFlow():
+  """Binaries and tools import foundation.errors before binaries.QuietTensorFlow, which must
+  run before TensorFlow loads (else every healthy run prints TensorFlow's start-up lines)."""
+  tree = ast.parse((ROOT / 'foundation' / 'errors.py').read_text())
+  top = [a.name for node in tree.body if isinstance(node, ast.Import) for a in node.names]
+  top += [node.module for node in tree.body if isinstance(node, ast.ImportFrom)]
+  assert not any(name.startswith('tensorflow') for name in top), top

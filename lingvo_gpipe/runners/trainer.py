@@ -46,7 +46,7 @@ import sys
 
 from lingvo_gpipe.runners import binaries
 
-binaries.QuietTensorFlow()  # Before TensorFlow is imported (foundation.errors imports it).
+binaries.QuietTensorFlow()  # Before TensorFlow is imported.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
