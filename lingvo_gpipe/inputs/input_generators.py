@@ -32,7 +32,9 @@ _FILE_KINDS = {stat.S_IFIFO: 'a named pipe', stat.S_IFDIR: 'a directory',
                stat.S_IFCHR: 'a character device', stat.S_IFBLK: 'a block device',
                stat.S_IFSOCK: 'a socket'}
 
-DEFAULT_TEXT_FILE = os.path.join(os.path.dirname(__file__), 'data', 'pipelines.txt')
+# lingvo_gpipe/data (package data, pyproject.toml), beside this package.
+DEFAULT_TEXT_FILE = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'data',
+                                 'pipelines.txt')
 TEXT_SPLITS = ('train', 'dev', 'test')
 
 
