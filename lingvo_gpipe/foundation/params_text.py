@@ -9,6 +9,8 @@ import importlib
 import inspect
 import sys
 
+from lingvo_gpipe.foundation import moved_names
+
 
 def ValueToText(value):
   """Python-like text for a value; ParseValue inverts it."""
@@ -40,8 +42,9 @@ def _IsDType(value):
 def _Resolve(dotted, may_import):
   """The object 'pkg.mod.Class.attr' (or 'tf.float32') names, found in the modules this
   program has imported; a text never runs a new top-level module (a file in the working
-  directory), and imports a submodule of an imported package only if `may_import`."""
-  parts = dotted.split('.')
+  directory), and imports a submodule of an imported package only if `may_import`. A name of
+  an earlier layout reads as where it lives now (moved_names.py)."""
+  parts = moved_names.Current(dotted).split('.')
   if parts[0] == 'tf':
     parts[0] = 'tensorflow'
   if parts[0] not in sys.modules:
