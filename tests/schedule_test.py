@@ -6,13 +6,16 @@ import itertools
 import pytest
 
 from lingvo_gpipe.insight import simulator
+from lingvo_gpipe.pipeline import cost_model
 from lingvo_gpipe.pipeline import named_schedules
+from lingvo_gpipe.pipeline import program
 from lingvo_gpipe.pipeline import schedule
 from lingvo_gpipe.pipeline import schedule_actions
 
 A = schedule_actions.Action
 F, B, W, BW, L = 'F', 'B', 'W', 'BW', 'L'
 ALL = schedule_actions.ALL
+UNIT = {F: 1, B: 1, W: 1, BW: 2, L: 0}  # The printed run's durations.
 # Each named schedule with the chunks per device it runs in these tests.
 NAMED = [('gpipe', 1), ('1f1b', 1), ('interleaved_1f1b', 2), ('interleaved_1f1b', 3),
          ('zb_h1', 1), ('zb_h2', 1), ('zbv', 2)]
@@ -30,7 +33,7 @@ def _CheckRun(sched):
   for s in sched.steps:
     a = s.action
     assert s.stage == sched.placement[a.chunk]
-    cost = schedule_actions.UNIT_COSTS[a.kind]
+    cost = UNIT[a.kind]
     for t in range(s.clock, s.clock + cost):
       assert (s.stage, t) not in busy, s
       busy.add((s.stage, t))
@@ -269,6 +272,10 @@ def testBadText(text, match):
     ([[A(F, 0, 0), A(L, 0, 0), A(B, 0, 0), A(W, 0, 0), A(W, 0, 0)]], [0], 1, 'W0@0 runs twice'),
     ([[A(F, 0, 0), A(L, 0, 0), A(B, 0, 0)]], [0], 1, 'never run W0@0'),
     ([[A(F, 0, 0), A(L, 0, 0), A(W, 0, 0), A(B, 0, 0)]], [0], 1, 'W0@0 comes before B0@0'),
+    ([[A(L, 0, 0), A(F, 0, 0), A(BW, 0, 0)]], [0], 1, 'L0@0 comes before F0@0'),
+    ([[A(F, 0, 0), A(BW, 0, 0), A(L, 0, 0)]], [0], 1, 'BW0@0 comes before L0@0'),
+    ([[A(F, 0, 0), A(L, ALL, 0), A(F, 1, 0), A(BW, 0, 0), A(BW, 1, 0)]], [0], 2,
+     r'L\*@0 comes before F1@0'),
     ([[A(F, 0, 0), A(F, 0, 1)], []], [0, 1], 1, 'F0@1 belongs on device 1'),
     ([[A(F, 0, 0), A(L, 0, 0)], [A(F, 0, 1)]], [0, 1], 1, 'the loss belongs to the last chunk'),
     ([[A(F, 2, 0)]], [0], 2, 'F2@0 is not an action of 1 chunks and 2 micro-batches'),
@@ -307,15 +314,17 @@ def testCheckerFindsADeadlock():
     schedule.Schedule('mine', 2, 2, orders=orders, placement=[0, 1])
 
 
-def testSimulateWithMeasuredCosts():
+def testTheProgramIsTimedWithMeasuredCosts():
   sched = schedule.Schedule('zb_h1', 2, 2)
-  cost = {F: 1.0, B: 2.0, W: 0.5, BW: 2.5, L: 0.0}
-  times = schedule_actions.Simulate(sched.orders, sched.placement, 2, lambda a: cost[a.kind])
-  assert times[A(F, 0, 1)] == (1.0, 2.0)  # After F(0, 0) on the other device.
-  assert times[A(B, 0, 1)] == (2.0, 4.0)  # The loss costs nothing here.
-  assert times[A(W, 0, 1)][1] - times[A(W, 0, 1)][0] == 0.5
+  model = cost_model.CostModel.Of(2, 2, forward_cost=1.0, backward_cost=2.5, input_grad_cost=2.0,
+                                  weight_grad_cost=0.5)
+  start, end = program.Lower(sched).Time(model)
+  f, b, w = cost_model.FORWARD, cost_model.INPUT_GRAD, cost_model.WEIGHT_GRAD
+  assert (start[f, 1, 0], end[f, 1, 0]) == (1.0, 2.0)  # After F(0, 0) on the other device.
+  assert (start[b, 1, 0], end[b, 1, 0]) == (2.0, 4.0)  # The loss costs nothing here.
+  assert end[w, 1, 0] - start[w, 1, 0] == 0.5
   # B(0, 0) waits for B(0, 1): the input gradient crosses devices, W never does.
-  assert times[A(B, 0, 0)][0] >= times[A(B, 0, 1)][1]
+  assert start[b, 0, 0] >= end[b, 1, 0]
 
 
 @pytest.mark.parametrize('args,match', [

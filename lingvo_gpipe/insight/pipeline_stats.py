@@ -39,6 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.insight import simulator
+from lingvo_gpipe.pipeline import cost_model
 from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.pipeline import schedule_actions
 
@@ -172,14 +173,14 @@ class Timeline:
     return placement
 
   def Orders(self):
-    """The simulator.OrderArrays the devices ran (record order; the first replica's)."""
+    """The cost_model.OrderArrays the devices ran (record order; the first replica's)."""
     orders = [[] for _ in range(self.num_stages)]
     for replica, stage, kind, m, c in zip(self.replica.tolist(), self.stage.tolist(),
                                           self.kind.tolist(), self.micro_batch.tolist(),
                                           self.chunk.tolist()):
       if replica == 0:
         orders[stage].append(schedule_actions.Action(_KINDS[kind], m, c))
-    return simulator.ToArrays(orders, self.Placement())
+    return cost_model.ToArrays(orders, self.Placement())
 
   def Schedule(self):
     """The name of the schedule whose per-device orders the actions ran in, or 'custom'

@@ -1,11 +1,11 @@
-"""The pipeline executor: runs a schedule's actions (schedule.py) one by one.
+"""The pipeline executor: runs a schedule's program (program.py) one instruction at a time.
 
 The executor is Python that runs once, while the step is traced: it emits
-each action's ops in the schedule's order, and from then on only the graph
+each instruction's ops in the program's order, and from then on only the graph
 runs. Each action is one call of a function of its chunk (`cell_functions.CellFunctions`),
 traced once per chunk and kind, so a step's graph is a thin list of calls
-whatever M is. A `Pass` runs one replica's actions on what they hand each
-other (pass_state.py). Each action kind has one code path:
+whatever M is. A `Pass` runs one replica's instructions on what they hand each
+other (pass_state.py). Each instruction kind has one code path:
 
   F(m, c)   chunk c's forward on micro-batch m, handed to chunk c+1; without
             remat under a tape, which keeps what the call's backward needs;
@@ -17,7 +17,9 @@ other (pass_state.py). Each action kind has one code path:
             the chunk before waits for, and what W needs: the gradients of the
             ops that read the weights and those ops' other inputs, as tensors
             (weight_grads.py); the chain of activation gradients is walked once;
-  W(m, c)   a call that takes the weight gradients from what B handed over.
+  W(m, c)   a call that takes the weight gradients from what B handed over;
+  SF, SB    a send: the value a forward or input gradient left for a chunk on another
+            device, copied there ahead when that is the receiver's first action (_HandOver).
 
 B and W are in split_backward.py, the whole-batch results a caller reads in
 pass_results.py. In graphs, each action's call waits (control dependencies) for
@@ -36,6 +38,7 @@ import tensorflow as tf
 from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.pipeline import cell_functions
 from lingvo_gpipe.pipeline import pass_results
+from lingvo_gpipe.pipeline import program
 from lingvo_gpipe.pipeline import schedule_actions
 from lingvo_gpipe.pipeline import split_backward
 
@@ -57,11 +60,15 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
     self._handlers = {F: self._Forward, B: self._InputGrad, W: self._WeightGrad,
                       BW: self._Backward}
 
-  def Run(self, action):
-    """Runs one F, B, W or BW action on its chunk's device, after that device's last one."""
-    device = self.placement[action.chunk]
-    with self._Scope(action):
-      tokens = self._handlers[action.kind](action, device)
+  def Run(self, instruction: program.Instruction) -> None:
+    """Runs one F, B, W or BW action on its chunk's device, after that device's last one, or
+    a send of its value."""
+    device = self.placement[instruction.chunk]
+    with self._Scope(instruction):
+      if isinstance(instruction.kind, program.Send):
+        self.tokens[device] = self.tokens[device] + self._Send(instruction)
+        return
+      tokens = self._handlers[instruction.kind](instruction, device)
     self.earlier_tokens[device], self.tokens[device] = self.tokens[device], tokens
 
   def _Scope(self, action):
@@ -81,12 +88,24 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
     start = self.tracer.Start(device, (inputs, self.tokens[device]))
     return [start], start
 
-  def _End(self, device, action, start, outputs, recompute_end=None, handed_over=()):
+  def _End(self, device, action, start, outputs, recompute_end=None):
     """The tokens the device's next action waits for."""
     tokens = py_utils.Tensors(outputs)
     if self.tracer is not None:
       tokens.append(self.tracer.End(self.replica, device, action, start, outputs, recompute_end))
-    return tokens + list(handed_over)
+    return tokens
+
+  def _Send(self, send):
+    """SF / SB: the value for the receiving chunk, as it takes it; returns the tokens the
+    sender's next action waits for."""
+    m, to = send.micro_batch, program.Receiver(send)
+    if send.kind == program.SEND_ACTIVATION:
+      store, consumer = self.inputs, schedule_actions.Action(F, m, to)
+    else:
+      store, consumer = self.out_grads, schedule_actions.Action(
+          B if (m, to) in self.split else BW, m, to)
+    store[(m, to)], handed_over = self._HandOver(send.chunk, consumer, store[(m, to)])
+    return handed_over
 
   def _HandOver(self, sender, consumer, value):
     """(value as `consumer` takes it from chunk `sender`, tokens for the sender's next action
@@ -149,25 +168,22 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
       del self.inputs[key]
     self.updates += updates
     self.acts[key] = acts
-    handed_over = []
     if c + 1 < self.num_chunks:
-      self.inputs[(m, c + 1)], handed_over = self._HandOver(
-          c, schedule_actions.Action(F, m, c + 1), out)
+      self.inputs[(m, c + 1)] = out  # A send (SF) follows where chunk c + 1 is elsewhere.
     else:
       if self.keep_outputs:
         self.outputs[m] = out
       if self.losses_follow:
         self.to_losses[m] = out
-    return self._End(device, action, start, (out, acts), handed_over=handed_over)
+    return self._End(device, action, start, (out, acts))
 
   def _HandOn(self, m, c, d_args):
-    """Passes chunk c's input gradient on; returns the tokens of an awaited hand-over."""
+    """Leaves chunk c's input gradient for chunk c-1 (a send, SB, follows where that is
+    elsewhere), or as the pass's input gradient."""
     if c == 0:
       self.input_grads[m] = d_args
-      return []
-    consumer = schedule_actions.Action(B if (m, c - 1) in self.split else BW, m, c - 1)
-    self.out_grads[(m, c - 1)], handed_over = self._HandOver(c, consumer, d_args)
-    return handed_over
+    else:
+      self.out_grads[(m, c - 1)] = d_args
 
   def _Backward(self, action, device):
     """BW: both gradients, from the forward's tape or one call that recomputes; the weight
@@ -187,6 +203,5 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
         d_args, added, recomputed = fn.Backward(
             self.thetas[c], self.inputs.pop((m, c)), grads_in, where, self.step,
             self.training, self.sizes[m], self._Clock(device), self._WantsArgGrads(c))
-    handed_over = self._HandOn(m, c, d_args)
-    return self._End(device, action, start, (d_args, self._Added(c, added)), recomputed,
-                     handed_over)
+    self._HandOn(m, c, d_args)
+    return self._End(device, action, start, (d_args, self._Added(c, added)), recomputed)

@@ -47,6 +47,7 @@ from lingvo_gpipe.pipeline import loss_contract
 from lingvo_gpipe.pipeline import microbatch
 from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.pipeline import partition
+from lingvo_gpipe.pipeline import program
 from lingvo_gpipe.pipeline import replicas
 from lingvo_gpipe.pipeline import schedule as schedule_lib
 from lingvo_gpipe.pipeline import schedule_actions
@@ -178,6 +179,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     # schedule places the chunks on the devices. Built and checked once per M (the check
     # runs every action, zbv's search several greedy runs), here and then as batches need them.
     self._schedules = {}
+    self._programs = {}
     self._placement = self.ScheduleFor(None if p.micro_batch_size else p.num_micro_batches
                                      ).placement
     if not isinstance(p.num_replicas, int) or p.num_replicas < 1:
@@ -325,6 +327,19 @@ class PipeliningLayer(base_layer.BaseLayer):
         self._schedules[num_micro_batches] = sched
     return sched
 
+  def GetProgram(self, batch_size: Optional[int]) -> program.Program:
+    """The program (program.py) a batch of `batch_size` runs: its schedule's actions with
+    their sends, in the order the executor emits them; print its ToText() to see it."""
+    return self.ProgramFor(self.NumMicroBatches(batch_size))
+
+  def ProgramFor(self, num_micro_batches: int) -> program.Program:
+    """The program of ScheduleFor(num_micro_batches)."""
+    prog = self._programs.get(num_micro_batches)
+    if prog is None:
+      prog = self._programs[num_micro_batches] = program.Lower(
+          self.ScheduleFor(num_micro_batches))
+    return prog
+
   def _HandOverDType(self, c):
     """The dtype of chunk c's floating outputs: the fprop_dtype of the layer that reads them
     (the next cell's first), or after the last cell of the one that made them, so that a
@@ -371,8 +386,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     else:
       run = replicas.Replicas(self, thetas, args, num, remat='always', step=0,
                               keep_inputs=False, tracer=self.Tracer())
-      run.Execute([s.action for s in self.ScheduleFor(num).steps
-                   if s.action.kind == schedule_actions.FORWARD])
+      run.Execute(self.ProgramFor(num).Forwards())
       outputs, acts = run.MergedOutputs()
     return self.Result(outputs, acts)
 

@@ -8,11 +8,16 @@ orders and chunk devices, unchecked.
 
 Separate from the Schedule class (schedule.py), which checks and times any orders (a
 user's own too), so that the schedules' construction is read and tested on its own; both
-build on the action rules of schedule_actions.py. No TensorFlow here.
+build on the action rules of schedule_actions.py. ZB-V's greedy run builds its orders on
+a clock of its own, with cost_model's unit durations, and the one timing of orders
+(cost_model.Time) picks among them. No TensorFlow here.
 """
 
 import collections
 
+import numpy as np
+
+from lingvo_gpipe.pipeline import cost_model
 from lingvo_gpipe.pipeline import schedule_actions
 
 
@@ -196,7 +201,7 @@ class _ZeroBubble:
 
   def _Start(self, k, action, t):
     self.orders[k].append(action)
-    end = t + schedule_actions.UNIT_COSTS[action.kind]
+    end = t + cost_model.UNIT_COSTS[action.kind]
     for key in schedule_actions.Keys(action):
       self._done[key] = end
     self._free_at[k] = end
@@ -255,8 +260,9 @@ def _Zbv(num_stages, num_micro_batches, placement):
       continue  # Reached: only input gradients first may still hold fewer pending Ws.
     orders = _ZeroBubble(num_stages, num_micro_batches, placement, limits, cap,
                          forwards_first).Run()
-    step = max(end for _, end in
-               schedule_actions.Simulate(orders, placement, num_micro_batches).values())
+    _, ends = cost_model.Time(cost_model.ToArrays(orders, placement),
+                              cost_model.CostModel.Unit(len(placement), num_micro_batches))
+    step = np.nanmax(ends)
     pending = max(schedule_actions.Peak(order, {schedule_actions.INPUT_GRAD: 1,
                                                 schedule_actions.WEIGHT_GRAD: -1})
                   for order in orders)

@@ -52,40 +52,40 @@ class Replicas:
       one.keep_outputs = keep_outputs
     self._whole_batch_losses = []
 
-  def Execute(self, actions, on_loss=None):
-    """Runs the actions, each on every replica; a stretch that repeats itself (a steady
-    state, steady_state.Windows) runs as one loop.
+  def Execute(self, instructions, on_loss=None):
+    """Runs a program's instructions (program.py), each on every replica; a stretch that
+    repeats itself (a steady state, steady_state.Windows) runs as one loop.
 
     on_loss(pass, m) computes micro-batch m's loss, sets its output gradients
     (SetMicroBatchOutputGradients) and returns its metrics; on_loss(None, ALL), for
     a whole-batch L(*), those of every replica
     (SetOutputGradients); `losses` keeps what they return.
     """
-    awaited = _FirstActions(actions, self._layer.placement)
+    awaited = _FirstActions(instructions, self._layer.placement)
     for one in self.passes:
       one.awaited = awaited
       one.losses_follow = any(a.kind == L and a.micro_batch != schedule_actions.ALL
-                              for a in actions)
+                              for a in instructions)
     done = 0
-    for window in self._Windows(actions):
-      for action in actions[done:window.start]:
-        self._Run(action, on_loss)
-      period = actions[window.start:window.start + window.period]
+    for window in self._Windows(instructions):
+      for instruction in instructions[done:window.start]:
+        self._Run(instruction, on_loss)
+      period = instructions[window.start:window.start + window.period]
       try:
         steady_state.RunLoop(self.passes[0], period, window.repeats, window.stride,
                              lambda a: self._Run(a, on_loss))
       except steady_state.NotPeriodic:  # E.g. fill-drain: all its inputs stay in flight.
-        for action in actions[window.start:window.end]:
-          self._Run(action, on_loss)
+        for instruction in instructions[window.start:window.end]:
+          self._Run(instruction, on_loss)
       done = window.end
-    for action in actions[done:]:
-      self._Run(action, on_loss)
+    for instruction in instructions[done:]:
+      self._Run(instruction, on_loss)
 
-  def _Windows(self, actions):
+  def _Windows(self, instructions):
     one = self.passes[0]
     if len(self.passes) > 1 or not one.CanLoop():
       return []
-    return steady_state.Windows(actions, one.SameTrace)
+    return steady_state.Windows(instructions, one.SameTrace)
 
   def _Run(self, action, on_loss):
     if action.kind == L and action.micro_batch == schedule_actions.ALL:

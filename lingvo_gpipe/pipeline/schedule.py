@@ -1,10 +1,11 @@
 """Pipeline schedules as data: the Schedule class, an ordered list of actions per device.
 
 A Schedule holds the orders of a named schedule (named_schedules.py) or a user's own,
-checks them complete and free of deadlocks (schedule_actions.py) and gives every action
-a clock of the unit-cost run: the printed grid is the order that runs, and BubbleFraction
-the idle share of devices x makespan. The executor (lingvo_gpipe/pipeline/executor.py)
-runs exactly these actions; the simulator times them with measured costs.
+checks them complete (schedule_actions.py) and free of deadlocks, and gives every action
+a clock of the unit-cost run (cost_model.Time, the timing the simulator uses with
+measured costs): the printed grid is the order that runs, and BubbleFraction the idle
+share of devices x makespan. program.Lower turns a Schedule into the instructions the
+executor (lingvo_gpipe/pipeline/executor.py) runs: these actions, with their sends.
 
 A schedule round-trips through text (ToText / FromText), so a user can also write their
 own and give its text as a pipeline's schedule (ForPipeline).
@@ -15,6 +16,9 @@ runtime, the simulator and the planner.
 
 import re
 
+import numpy as np
+
+from lingvo_gpipe.pipeline import cost_model
 from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.pipeline import schedule_actions
 
@@ -29,6 +33,25 @@ def _CheckPlacement(placement, num_stages, virtual_stages):
     if len(chunks) != virtual_stages:
       raise ValueError(f'placement puts chunks {chunks} on device {device}; v={virtual_stages} '
                        f'gives each of the K={num_stages} devices {virtual_stages}.')
+
+
+def _UnitRun(orders, placement, num_micro_batches):
+  """(every action as a Step at its clock of the unit-cost run, the run's length): each
+  action's start from cost_model.Time; a loss, which takes no time, starts where its
+  device's action before it ended."""
+  start, end = cost_model.Time(cost_model.ToArrays(orders, placement),
+                               cost_model.CostModel.Unit(len(placement), num_micro_batches))
+  steps = []
+  for k, order in enumerate(orders):
+    free = 0.0
+    for a in order:
+      if a.kind == schedule_actions.LOSS:
+        steps.append(schedule_actions.Step(int(free), k, a))
+        continue
+      at = (cost_model.CODES[a.kind], a.chunk, a.micro_batch)
+      steps.append(schedule_actions.Step(int(start[at]), k, a))
+      free = end[at]
+  return steps, int(np.nanmax(end))
 
 
 def IsText(schedule: str) -> bool:
@@ -102,12 +125,10 @@ class Schedule:
     self.virtual_stages = virtual_stages
     self.placement = list(placement)
     self.orders = [list(order) for order in orders]
-    times = schedule_actions.Simulate(self.orders, self.placement, num_micro_batches)
-    self.steps = sorted((schedule_actions.Step(int(start), self.placement[a.chunk], a)
-                         for a, (start, _) in times.items()),
-                        key=lambda s: (s.clock, s.stage,
-                                       schedule_actions.UNIT_COSTS[s.action.kind] > 0))
-    self.num_clocks = max(int(end) for _, end in times.values())
+    schedule_actions.CheckOrders(self.orders, self.placement, num_micro_batches)
+    steps, self.num_clocks = _UnitRun(self.orders, self.placement, num_micro_batches)
+    self.steps = sorted(steps, key=lambda s: (s.clock, s.stage,
+                                              cost_model.UNIT_COSTS[s.action.kind] > 0))
 
   @property
   def num_chunks(self) -> int:
@@ -125,7 +146,7 @@ class Schedule:
 
   def BubbleFraction(self) -> float:
     """Idle share of K devices x makespan, with F, B and W of one unit each (BW two)."""
-    busy = sum(schedule_actions.UNIT_COSTS[a.kind] for order in self.orders for a in order)
+    busy = sum(cost_model.UNIT_COSTS[a.kind] for order in self.orders for a in order)
     return 1.0 - busy / (self.num_stages * self.num_clocks)
 
   def MaxInFlight(self, stage: int) -> int:
@@ -195,11 +216,11 @@ class Schedule:
       m = '*' if a.micro_batch == schedule_actions.ALL else a.micro_batch
       return f'{a.kind}{m}' + (f'.{a.chunk}' if self.num_chunks > self.num_stages else '')
 
-    cells = [Cell(s.action) for s in self.steps if schedule_actions.UNIT_COSTS[s.action.kind]]
+    cells = [Cell(s.action) for s in self.steps if cost_model.UNIT_COSTS[s.action.kind]]
     width = max(len(c) for c in cells)
     grid = [['.'.rjust(width)] * self.num_clocks for _ in range(self.num_stages)]
     for s in self.steps:
-      for i in range(schedule_actions.UNIT_COSTS[s.action.kind]):
+      for i in range(cost_model.UNIT_COSTS[s.action.kind]):
         grid[s.stage][s.clock + i] = Cell(s.action).rjust(width)
     v = f', v={self.virtual_stages}' if self.virtual_stages > 1 else ''
     head = (f'{self.name} schedule, K={self.num_stages} devices{v}, M={self.num_micro_batches} '

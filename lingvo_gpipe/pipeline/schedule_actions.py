@@ -14,18 +14,17 @@ pipeline; with v virtual stages, K devices hold K * v chunks):
 
 Each device runs its own list in order; an action also waits for its data
 (F(m, c) for F(m, c-1), B(m, c) for B(m, c+1) or the loss, W(m, c) for B(m, c)).
-CheckOrders proves a set of orders complete and free of deadlocks before
-anything runs, and Simulate gives every action a clock (with unit costs: F, B, W
-one unit, BW two, L none). The executor (lingvo_gpipe/pipeline/executor.py) runs
-exactly these actions; the simulator times them with measured costs.
+CheckOrders proves a set of orders complete and each device's order consistent
+before anything runs; cost_model.Time gives every action a clock and finds the
+deadlocks across devices. A schedule is lowered to the program the executor runs
+(program.py).
 
 Separate from the named schedules (named_schedules.py) and the Schedule class
 (schedule.py), which both build on these rules. No TensorFlow here.
 """
 
-import collections
 import enum
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 
 class Kind(enum.StrEnum):
@@ -40,7 +39,6 @@ class Kind(enum.StrEnum):
 FORWARD, INPUT_GRAD, WEIGHT_GRAD, BACKWARD, LOSS = Kind
 KINDS = tuple(Kind)
 ALL = -1  # The micro_batch of a whole-batch loss L(*).
-UNIT_COSTS = {FORWARD: 1, INPUT_GRAD: 1, WEIGHT_GRAD: 1, BACKWARD: 2, LOSS: 0}
 
 
 class Action(NamedTuple):
@@ -63,17 +61,18 @@ def ActionText(a: Action) -> str:
   return f'{a.kind}{m}@{a.chunk}'
 
 
-def _Needs(action, num_chunks):
-  """The keys (kind, micro-batch, chunk) whose ends `action` waits for, besides its device."""
+def _OwnNeeds(action, num_chunks, num_micro_batches):
+  """The keys (kind, micro-batch, chunk) of its own chunk that `action` waits for: they run
+  before it on its device (a loss's forwards, a backward's forward and loss, a W's B)."""
   kind, m, c = action
-  if kind == FORWARD:
-    return [(FORWARD, m, c - 1)] if c > 0 else []
   if kind == LOSS:
-    return [(FORWARD, m, c)] if m != ALL else [('F*', ALL, c)]
+    ms = range(num_micro_batches) if m == ALL else [m]
+    return [(FORWARD, i, c) for i in ms]
   if kind == WEIGHT_GRAD:
     return [(INPUT_GRAD, m, c)]
-  upstream = (INPUT_GRAD, m, c + 1) if c + 1 < num_chunks else (LOSS, m, c)
-  return [(FORWARD, m, c), upstream]
+  if kind == FORWARD:
+    return []
+  return [(FORWARD, m, c)] + ([(LOSS, m, c)] if c == num_chunks - 1 else [])
 
 
 def Keys(action: Action) -> list[tuple[str, int, int]]:
@@ -87,13 +86,13 @@ def Keys(action: Action) -> list[tuple[str, int, int]]:
 def CheckOrders(orders: list[list[Action]], placement: list[int],
                 num_micro_batches: int) -> None:
   """Raises ValueError unless the orders run every micro-batch's actions once, each on its
-  chunk's device, F before B before W, with the loss on the last chunk's device."""
+  chunk's device and after what it needs of its own chunk (F before B before W; the loss,
+  on the last chunk's device, after its forwards and before their backwards)."""
   num_chunks = len(placement)
   last = num_chunks - 1
   whole = any(a.kind == LOSS and a.micro_batch == ALL for order in orders for a in order)
   seen = set()
   for k, order in enumerate(orders):
-    done = set()
     for a in order:
       if a.kind not in KINDS or not 0 <= a.chunk < num_chunks or not (
           0 <= a.micro_batch < num_micro_batches or (a.kind == LOSS and a.micro_batch == ALL)):
@@ -108,11 +107,6 @@ def CheckOrders(orders: list[list[Action]], placement: list[int],
         if key in seen:
           raise ValueError(f'Device {k}: {ActionText(a)} runs twice.')
         seen.add(key)
-      own = [n for n in _Needs(a, num_chunks) if n[2] == a.chunk and n[0] != LOSS]
-      if a.kind in (INPUT_GRAD, BACKWARD, WEIGHT_GRAD) and not all(n in done for n in own):
-        raise ValueError(f'Device {k}: {ActionText(a)} comes before '
-                         f'{ActionText(Action(*own[-1]))} on the same chunk.')
-      done.update(Keys(a))
   ms = [ALL] if whole else range(num_micro_batches)
   expected = {(kind, m, c) for m in range(num_micro_batches) for c in range(num_chunks)
               for kind in (FORWARD, INPUT_GRAD, WEIGHT_GRAD)} | {(LOSS, m, last) for m in ms}
@@ -124,64 +118,22 @@ def CheckOrders(orders: list[list[Action]], placement: list[int],
     names = ' '.join(ActionText(Action(*key)) for key in sorted(seen - expected)[:6])
     raise ValueError(f'The orders run {names} besides a whole-batch loss L*@{last}: a schedule '
                      f'has either the one or a loss per micro-batch.')
+  for k, order in enumerate(orders):
+    _CheckDeviceOrder(k, order, num_chunks, num_micro_batches)
 
 
-def Simulate(orders: list[list[Action]], placement: list[int], num_micro_batches: int,
-             cost: Callable[[Action], float] | None = None) -> dict:
-  """Start and end of every action when each device runs its order.
-
-  Args:
-    orders: per device, the list of Actions in execution order (CheckOrders' rules).
-    placement: the device of each chunk.
-    num_micro_batches: M.
-    cost: callable(action) -> duration; default UNIT_COSTS.
-
-  Returns:
-    dict Action -> (start, end).
-
-  Raises:
-    ValueError: if the orders deadlock (an action waits for one that never runs).
-  """
-  CheckOrders(orders, placement, num_micro_batches)
-  cost = cost or (lambda a: UNIT_COSTS[a.kind])
-  num_chunks = len(placement)
-  ends = {}
-  forwards_left = {c: num_micro_batches for c in range(num_chunks)}
-  times = {}
-  position = [0] * len(orders)
-  free = [0.0] * len(orders)
-  waiting = collections.defaultdict(list)  # Key -> the devices whose next action needs it.
-  ready = collections.deque(range(len(orders)))
-  while ready:
-    k = ready.popleft()
-    while position[k] < len(orders[k]):
-      a = orders[k][position[k]]
-      needs = _Needs(a, num_chunks)
-      missing = [n for n in needs if n not in ends]
-      if missing:
-        waiting[missing[0]].append(k)  # Woken when it ends.
-        break
-      start = max([free[k]] + [ends[n] for n in needs])
-      end = start + cost(a)
-      times[a] = (start, end)
-      free[k] = end
-      position[k] += 1
-      made = {key: end for key in Keys(a)}
-      if a.kind == LOSS and a.micro_batch == ALL:  # Every micro-batch's backward may start.
-        made.update(((LOSS, m, a.chunk), end) for m in range(num_micro_batches))
-      if a.kind == FORWARD:
-        forwards_left[a.chunk] -= 1
-        if not forwards_left[a.chunk]:
-          made[('F*', ALL, a.chunk)] = max(ends.get((FORWARD, m, a.chunk), end)
-                                           for m in range(num_micro_batches))
-      ends.update(made)
-      for key in made:
-        ready.extend(waiting.pop(key, ()))
-  stuck = [f'device {k} at {ActionText(orders[k][position[k]])}'
-           for k in range(len(orders)) if position[k] < len(orders[k])]
-  if stuck:
-    raise ValueError(f'The orders deadlock: {", ".join(stuck)} wait forever.')
-  return times
+def _CheckDeviceOrder(k, order, num_chunks, num_micro_batches):
+  """Raises ValueError unless each action of device k comes after what it needs of its own
+  chunk (which runs on the same device)."""
+  done = set()
+  for a in order:
+    missing = [n for n in _OwnNeeds(a, num_chunks, num_micro_batches) if n not in done]
+    if missing:
+      raise ValueError(f'Device {k}: {ActionText(a)} comes before '
+                       f'{ActionText(Action(*missing[0]))} on the same chunk.')
+    done.update(Keys(a))
+    if a.kind == LOSS and a.micro_batch == ALL:  # Every micro-batch's backward may start.
+      done.update((LOSS, m, a.chunk) for m in range(num_micro_batches))
 
 
 def CheckSizes(num_stages: int, num_micro_batches: int, virtual_stages: int) -> None:

@@ -29,10 +29,10 @@ class SplitBackward(pass_state.PassState):
     if added is not None:
       self._Added(c, added)
     self.pending_w[(m, c)] = pending if added is None else added
-    handed_over = self._HandOn(m, c, d_args)
+    self._HandOn(m, c, d_args)
     # The device's next action waits for the pending tensors too: a first chunk's B may have
     # no input gradient to wait for.
-    return self._End(device, action, start, (d_args, pending, added), recomputed, handed_over)
+    return self._End(device, action, start, (d_args, pending, added), recomputed)
 
   def _WeightGrad(self, action, device):
     """W: the weight gradients from what B handed over, added to the chunk's sum."""

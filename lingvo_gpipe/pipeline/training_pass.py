@@ -20,12 +20,6 @@ from lingvo_gpipe.pipeline import schedule as schedule_lib
 from lingvo_gpipe.pipeline import schedule_actions
 
 
-def _SplitBackwards(sched):
-  """(micro-batch, chunk) pairs whose backward the schedule splits into B and W."""
-  return {(s.action.micro_batch, s.action.chunk) for s in sched.steps
-          if s.action.kind == schedule_actions.WEIGHT_GRAD}
-
-
 def ForwardBackward(layer, theta, inputs, loss_fn, labels, with_outputs, loss_reduction):
   """PipeliningLayer.ForwardBackward (its doc): the schedule's actions run by the
   executor's replicas, each micro-batch's loss and its gradient computed as L reaches it."""
@@ -33,10 +27,11 @@ def ForwardBackward(layer, theta, inputs, loss_fn, labels, with_outputs, loss_re
   args, before_tape = _BeforeWithTape(layer, theta, executor.AsArgs(inputs))
   rows, num = layer.MicroBatching(args)
   microbatch.CheckLabels(labels, rows, layer.params.batch_dim)
-  sched = layer.ScheduleFor(num)
+  prog = layer.ProgramFor(num)
+  sched = prog.schedule
   # Only `before` layers take the gradients of the cells' arguments.
   run = replicas.Replicas(layer, layer.ChunkThetas(theta), args, num, layer.params.remat,
-                          layer.PassStep(), split=_SplitBackwards(sched), tracer=layer.Tracer(),
+                          layer.PassStep(), split=prog.SplitBackwards(), tracer=layer.Tracer(),
                           need_input_grads=before_tape is not None,
                           keep_outputs=with_outputs or sched.whole_batch_loss)
   loss_scale = py_utils.CurrentContext().loss_scale
@@ -62,7 +57,7 @@ def ForwardBackward(layer, theta, inputs, loss_fn, labels, with_outputs, loss_re
   with tf.device(layer.ReplicaDevices(0)[-1]):
     label_parts = None if labels is None or sched.whole_batch_loss else _SplitLabels(
         layer, labels, num)
-    run.Execute([s.action for s in sched.steps], OnLoss)
+    run.Execute(prog.instructions, OnLoss)
   base_layer.ApplyRecordedUpdates(run.updates)
   metrics = run.losses
   merged = metrics_lib.MergeMetrics([m for m, _ in metrics])
@@ -135,14 +130,14 @@ def _LossGradients(layer, loss_fn, loss_scale, outputs, acts, labels=None):
 def DifferentiableForward(layer, thetas, args, num):
   """The training forward, with the pipelined backward as its custom gradient: the
   schedule's actions before its whole-batch loss L(*), then, in the gradient, after it."""
-  sched = layer.ScheduleFor(num)
-  if not sched.whole_batch_loss:
+  prog = layer.ProgramFor(num)
+  if not prog.schedule.whole_batch_loss:
     raise ValueError(f"FProp in training (the context's training=True, the default) runs "
                      f"fill-drain ('gpipe'); schedule="
                      f"{schedule_lib.Name(layer.params.schedule)!r} trains through "
                      "ForwardBackward, and runs FProp's forwards in py_utils.EvalMode().")
-  actions = [s.action for s in sched.steps]
-  loss_at = next(i for i, a in enumerate(actions) if a.kind == schedule_actions.LOSS)
+  instructions = prog.instructions
+  loss_at = next(i for i, a in enumerate(instructions) if a.kind == schedule_actions.LOSS)
   step = layer.PassStep()
   tracer = layer.Tracer()
   flat_theta, flat_args = tf.nest.flatten(thetas), tf.nest.flatten(args)
@@ -156,8 +151,8 @@ def DifferentiableForward(layer, thetas, args, num):
     run_args = py_utils.Replaced(flat_args, arg_pos, stopped[len(flat_theta):])
     run = replicas.Replicas(layer, tf.nest.pack_sequence_as(thetas, stopped[:len(flat_theta)]),
                             tf.nest.pack_sequence_as(args, run_args), num, layer.params.remat,
-                            step, split=_SplitBackwards(sched), tracer=tracer)
-    run.Execute(actions[:loss_at])
+                            step, split=prog.SplitBackwards(), tracer=tracer)
+    run.Execute(instructions[:loss_at])
     structure = run.MergedOutputs()
     flat_out = tf.nest.flatten(structure)
     out_pos = [i for i, x in enumerate(flat_out) if isinstance(x, tf.Tensor)]
@@ -167,7 +162,7 @@ def DifferentiableForward(layer, thetas, args, num):
       d_out = tf.nest.pack_sequence_as(
           structure, py_utils.Replaced([None] * len(flat_out), out_pos, d_tensors))
       run.SetOutputGradients(*d_out)
-      run.Execute(actions[loss_at + 1:])
+      run.Execute(instructions[loss_at + 1:])
       d_args = tf.nest.flatten(run.MergedInputGradients())
       return tf.nest.flatten(run.gradient_sums) + [d_args[i] for i in arg_pos]
 
