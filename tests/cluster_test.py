@@ -25,6 +25,7 @@ from lingvo_gpipe.distribution import cluster as cluster_lib
 from lingvo_gpipe.foundation import devices as devices_lib
 from lingvo_gpipe.foundation import errors
 from lingvo_gpipe.pipeline import pipeline_params
+from lingvo_gpipe.runners import elastic
 from lingvo_gpipe.runners import local_devices
 from lingvo_gpipe.runners import trainer
 
@@ -402,7 +403,7 @@ def testTrainerClientFailsFastOnALostWorkerAndResumes(two_workers, tmp_path):
     two_workers.KillWorker(task, sig)
     code, err = _Finish(proc, timeout=60)
     assert time.time() - lost < timeout + 10
-    assert code == 1 and len(_ErrorLines(err)) == 1, err[-3000:]
+    assert code == elastic.WORKER_LOST and len(_ErrorLines(err)) == 1, err[-3000:]
     assert f'Lost the cluster: worker task {task} ({two_workers.addresses[task]}) {expected}' in (
         _ErrorLines(err)[0])
     # The client exits at once (os._exit, a TensorFlow call may still wait): without its lock.

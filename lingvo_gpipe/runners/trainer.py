@@ -58,6 +58,7 @@ from lingvo_gpipe.foundation import errors
 from lingvo_gpipe.foundation import memory_stats
 from lingvo_gpipe.models import model_registry
 from lingvo_gpipe.runners import base_runner
+from lingvo_gpipe.runners import elastic
 from lingvo_gpipe.runners import evaler
 from lingvo_gpipe.runners import local_devices
 from lingvo_gpipe.runners import pipeline_check
@@ -119,6 +120,18 @@ flags.DEFINE_float('worker_timeout_secs', 60.0,
                    'Cluster clients: how long workers may take to answer at start-up and each '
                    'status request (one a second); a worker that does not stops the job with '
                    'an error naming it.')
+flags.DEFINE_bool('elastic', False,
+                  '--job=trainer_client: train on the workers that answer, re-cutting the '
+                  'pipelines onto them from the last checkpoint when one is lost or comes back '
+                  '(docs/cluster.md#elastic-training).')
+flags.DEFINE_integer('elastic_min_workers', 1,
+                     '--elastic: the fewest workers to train on; below it the client waits up to '
+                     '--elastic_wait_secs.')
+flags.DEFINE_float('elastic_wait_secs', 600.0,
+                   '--elastic: how long to wait for --elastic_min_workers workers.')
+flags.DEFINE_integer('elastic_stages', None,
+                     'Set by --elastic for its client: cut every pipeline into this many '
+                     'stages (one per worker).')
 flags.DEFINE_integer('worker_intra_op_threads', 0,
                      "--job=worker: the server's intra-op threads (0: TensorFlow's default).")
 flags.DEFINE_integer('worker_inter_op_threads', 0,
@@ -263,6 +276,13 @@ def RunClusterClient(model_params, cluster, dataset_name):
 
   def Job():
     cluster_lib.Connect(cluster.spec, cluster.timeout_secs)
+    if FLAGS.elastic_stages:
+      try:
+        cuts = elastic.Recut(model_params.task, FLAGS.elastic_stages)
+      except ValueError as e:
+        raise errors.UserError(str(e)) from None
+      logging.info('Elastic: the pipelines re-cut onto %d worker(s): %s.', FLAGS.elastic_stages,
+                   '; '.join(cuts))
     local_devices.PlacePipelines(model_params.task, cluster.worker_split_size,
                                  cluster.worker_replicas)
     if cluster.job == 'trainer_client':
@@ -276,6 +296,24 @@ def RunClusterClient(model_params, cluster, dataset_name):
   with (preemption.StopOnSignals() if cluster.job == 'trainer_client' else
         contextlib.nullcontext()) as stop:
     cluster_lib.HealthMonitor(addresses, cluster.timeout_secs).Run(Job)
+
+
+def _RunElastic(cluster):
+  """--elastic: the client in child processes on the workers that answer (elastic.py)."""
+  if FLAGS.job != 'trainer_client' or FLAGS.mode != 'sync':
+    raise errors.UserError(f'--elastic is for --job=trainer_client; got --job={FLAGS.job} '
+                           f'--mode={FLAGS.mode}.')
+  if FLAGS.elastic_wait_secs < 0 or not math.isfinite(FLAGS.elastic_wait_secs):
+    raise errors.UserError(f'--elastic_wait_secs must be a finite number >= 0, got '
+                           f'{FLAGS.elastic_wait_secs:g}.')
+  if not FLAGS.logdir:
+    raise errors.UserError('--elastic restarts the client from its checkpoints: give --logdir.')
+  supervisor = elastic.Supervisor(elastic.ChildArgs(sys.argv[1:]), cluster.spec,
+                                  FLAGS.elastic_min_workers, FLAGS.elastic_wait_secs,
+                                  cluster.timeout_secs, FLAGS.logdir)
+  code = supervisor.Run()
+  if code:
+    sys.exit(code)
 
 
 def _CheckPipeline(model_params, cluster):
@@ -317,6 +355,9 @@ def _Run():
   cluster = ClusterConfig.FromFlags()
   if FLAGS.job == 'worker':
     RunWorker(cluster)
+    return
+  if FLAGS.elastic:
+    _RunElastic(cluster)
     return
   if not FLAGS.model:
     raise errors.UserError('--model is required (a registry key such as '
@@ -419,7 +460,7 @@ def main(argv):
       # a normal exit would abort in it.
       sys.stderr.flush()
       run_lock.ReleaseHeld()
-      os._exit(1)  # pylint: disable=protected-access
+      os._exit(elastic.WORKER_LOST)  # pylint: disable=protected-access
     sys.exit(1)
 
 
