@@ -118,7 +118,6 @@ class Supervisor:
     self._logdir = logdir
     self._child = None
     self._stopping = False
-    self.changes = []  # (workers, steps redone, seconds to resume) per restart.
 
   def _Answering(self):
     failures = cluster_lib.UnansweredWorkers(self._addresses, min(self._timeout, 2.0))
@@ -171,7 +170,6 @@ class Supervisor:
     last_step, ended = child.after
     redone = max(0, (step if last_step is None else last_step) - step)
     seconds = time.time() - ended
-    self.changes.append((len(child.workers), redone, seconds))
     logging.info('Elastic: training again on %d worker(s) (tasks %s) from step %d: %d logged '
                  'step(s) redone, %.1f s after the change.', len(child.workers), child.workers,
                  step, redone, seconds)
