@@ -161,6 +161,7 @@ def main(argv):
   for i in range(FLAGS.sequences):
     kill_after, task = rng.randint(4, FLAGS.steps // 3), rng.randrange(3)
     logdir = os.path.join(root, f'run{i}')
+    os.makedirs(logdir + '_workers')
     with local_cluster.LocalCluster(3, log_dir=logdir + '_workers') as workers:
       changes, lines = RunSequence(workers, logdir, FLAGS.steps, kill_after, task)
     result = dict(sequence=i, lost_task=task, lost_after_step=kill_after,

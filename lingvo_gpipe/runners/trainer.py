@@ -308,6 +308,9 @@ def _RunElastic(cluster):
                            f'{FLAGS.elastic_wait_secs:g}.')
   if not FLAGS.logdir:
     raise errors.UserError('--elastic restarts the client from its checkpoints: give --logdir.')
+  if cluster.worker_replicas > 1 or cluster.worker_split_size:
+    raise errors.UserError('--elastic cuts each pipeline into one stage per worker: drop '
+                           '--worker_replicas and --worker_split_size.')
   supervisor = elastic.Supervisor(elastic.ChildArgs(sys.argv[1:]), cluster.spec,
                                   FLAGS.elastic_min_workers, FLAGS.elastic_wait_secs,
                                   cluster.timeout_secs, FLAGS.logdir)
