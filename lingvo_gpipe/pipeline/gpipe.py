@@ -50,7 +50,6 @@ from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import program
 from lingvo_gpipe.pipeline import replicas
 from lingvo_gpipe.pipeline import schedule as schedule_lib
-from lingvo_gpipe.pipeline import schedule_actions
 from lingvo_gpipe.pipeline import step_timing
 from lingvo_gpipe.pipeline import training_pass
 
@@ -178,8 +177,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     # A bad schedule, chunks per device or M fails here, not at the first batch; the
     # schedule places the chunks on the devices. Built and checked once per M (the check
     # runs every action, zbv's search several greedy runs), here and then as batches need them.
-    self._schedules = {}
-    self._programs = {}
+    self._programs = {}  # M -> the program of its schedule (ProgramFor).
     self._placement = self.ScheduleFor(None if p.micro_batch_size else p.num_micro_batches
                                      ).placement
     if not isinstance(p.num_replicas, int) or p.num_replicas < 1:
@@ -312,33 +310,30 @@ class PipeliningLayer(base_layer.BaseLayer):
 
   def ScheduleFor(self, num_micro_batches: Optional[int]) -> schedule_lib.Schedule:
     """The checked schedule at M = num_micro_batches (None: M not known yet, not kept)."""
-    p = self.params
-    sched = self._schedules.get(num_micro_batches)
-    if sched is None:
-      try:
-        sched = schedule_lib.ForPipeline(p.schedule, self.num_stages, num_micro_batches,
-                                         p.virtual_stages)
-      except ValueError as e:
-        if p.micro_batch_size is None or num_micro_batches is None:
-          raise
-        raise ValueError(f"{str(e).rstrip('.')} (M = the rows of each replica's batch / "
-                         f'micro_batch_size={p.micro_batch_size}).') from None
-      if num_micro_batches is not None:
-        self._schedules[num_micro_batches] = sched
-    return sched
+    if num_micro_batches is None:
+      return self._NewSchedule(None)
+    return self.ProgramFor(num_micro_batches).schedule
 
   def GetProgram(self, batch_size: Optional[int]) -> program.Program:
-    """The program (program.py) a batch of `batch_size` runs: its schedule's actions with
-    their sends, in the order the executor emits them; print its ToText() to see it."""
+    """The program a batch of `batch_size` runs (program.py); print its ToText() to see it."""
     return self.ProgramFor(self.NumMicroBatches(batch_size))
 
   def ProgramFor(self, num_micro_batches: int) -> program.Program:
-    """The program of ScheduleFor(num_micro_batches)."""
-    prog = self._programs.get(num_micro_batches)
-    if prog is None:
-      prog = self._programs[num_micro_batches] = program.Lower(
-          self.ScheduleFor(num_micro_batches))
-    return prog
+    """The program of the schedule at M = num_micro_batches, lowered once."""
+    if num_micro_batches not in self._programs:
+      self._programs[num_micro_batches] = program.Lower(self._NewSchedule(num_micro_batches))
+    return self._programs[num_micro_batches]
+
+  def _NewSchedule(self, num_micro_batches):
+    p = self.params
+    try:
+      return schedule_lib.ForPipeline(p.schedule, self.num_stages, num_micro_batches,
+                                      p.virtual_stages)
+    except ValueError as e:
+      if p.micro_batch_size is None or num_micro_batches is None:
+        raise
+      raise ValueError(f"{str(e).rstrip('.')} (M = the rows of each replica's batch / "
+                       f'micro_batch_size={p.micro_batch_size}).') from None
 
   def _HandOverDType(self, c):
     """The dtype of chunk c's floating outputs: the fprop_dtype of the layer that reads them
