@@ -79,6 +79,8 @@ _FLAGS = [
      '--elastic_min_workers=2'],
     ['--job=trainer_client', '--cluster_spec=worker=localhost:1', '--elastic',
      '--elastic_wait_secs=nan'],
+    ['--job=trainer_client', '--elastic', '--elastic_workers_file=/nonexistent/workers.txt'],
+    ['--job=trainer_client', '--elastic', '--elastic_workers_file=/etc/hostname'],
     ['--job=trainer_client', '--cluster_spec=worker=localhost:1', '--worker_timeout_secs=inf'],
     ['--job=trainer_client', '--cluster_spec=worker=localhost:1', '--worker_timeout_secs=-1'],
     ['--job=trainer_client', '--cluster_spec=worker=localhost'],

@@ -92,21 +92,40 @@ def StartReference(logdir, steps):
   return _Trainer(f'--logdir={logdir}', f'--max_steps={steps}', '--run_locally=cpu')
 
 
-def RunSequence(workers, logdir, steps, kill_after, task, timeout=240):
+def _WriteLines(path, lines):
+  with open(path + '.new', 'w') as f:
+    f.write('\n'.join(lines) + '\n')
+  os.replace(path + '.new', path)  # Whole, as the client reads it every second.
+
+
+def RunSequence(workers, logdir, steps, kill_after, task, timeout=240, listed=None):
   """Trains on `workers` (a started LocalCluster of 3) with --elastic; kills worker `task`
-  once step `kill_after` is logged, starts it again once the client trains on two, and
-  waits for the run's end. Returns (the changes' (workers, from step, steps redone,
-  seconds) tuples, every line of the client's log)."""
-  client = _Trainer('--job=trainer_client', '--elastic', f'--cluster_spec={workers.spec_text}',
-                    f'--logdir={logdir}', f'--max_steps={steps}', '--worker_timeout_secs=4')
+  once step `kill_after` is logged, starts it again once the client trains on the others,
+  and waits for the run's end. With `listed`, an --elastic_workers_file lists only the
+  first `listed` workers at the start, and the others once the lost one is back. Returns
+  (the changes' (workers, from step, steps redone, seconds) tuples, every line of the
+  client's log)."""
+  everyone = len(workers.addresses)
+  listed = listed or everyone
+  workers_file = logdir + '_workers.txt'
+  if listed < everyone:
+    _WriteLines(workers_file, workers.addresses[:listed])
+    where = f'--elastic_workers_file={workers_file}'
+  else:
+    where = f'--cluster_spec={workers.spec_text}'
+  client = _Trainer('--job=trainer_client', '--elastic', where, f'--logdir={logdir}',
+                    f'--max_steps={steps}', '--worker_timeout_secs=4')
   try:
     lines = Lines(client)
     lines.WaitFor(f'step {kill_after}/', timeout)
     workers.KillWorker(task, signal.SIGKILL)
-    changes = [lines.WaitFor('Elastic: training again on 2 worker(s)', timeout)]
+    changes = [lines.WaitFor(f'Elastic: training again on {listed - 1} worker(s)', timeout)]
     workers.StartWorker(task)
     workers.WaitUntilReady()
-    changes.append(lines.WaitFor('Elastic: training again on 3 worker(s)', timeout))
+    changes.append(lines.WaitFor(f'Elastic: training again on {listed} worker(s)', timeout))
+    if listed < everyone:
+      _WriteLines(workers_file, workers.addresses)
+      changes.append(lines.WaitFor(f'Elastic: training again on {everyone} worker(s)', timeout))
     lines.WaitFor(f'Trained to step {steps}.', timeout)
     code = client.wait(timeout=60)
     if code:

@@ -54,18 +54,19 @@ def _CheckAddress(job, address, source):
     raise ClusterError(f'{source}: address {address!r} of job {job!r} is not host:port.')
 
 
-def ParseClusterSpec(text):
-  """Lingvo's 'job=host:port,host:port@job2=host:port' as {job: [address, ...]}."""
+def ParseClusterSpec(text, source='--cluster_spec'):
+  """Lingvo's 'job=host:port,host:port@job2=host:port' as {job: [address, ...]}; errors name
+  `source`."""
   spec = {}
   for part in filter(None, (p.strip() for p in text.split('@'))):
     job, sep, hosts = part.partition('=')
     job, addresses = job.strip(), [a.strip() for a in hosts.split(',')]  # Spaces are fine.
     if not sep or not job or not hosts.strip():
-      raise ClusterError(f'--cluster_spec: {part!r} is not job=host:port[,host:port].')
+      raise ClusterError(f'{source}: {part!r} is not job=host:port[,host:port].')
     if job in spec:
-      raise ClusterError(f'--cluster_spec: job {job!r} appears twice.')
+      raise ClusterError(f'{source}: job {job!r} appears twice.')
     for address in addresses:
-      _CheckAddress(job, address, '--cluster_spec')
+      _CheckAddress(job, address, source)
     spec[job] = addresses
   return spec
 

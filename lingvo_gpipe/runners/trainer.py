@@ -56,6 +56,7 @@ from lingvo_gpipe.distribution import cluster as cluster_lib
 from lingvo_gpipe.foundation import devices as devices_lib
 from lingvo_gpipe.foundation import errors
 from lingvo_gpipe.foundation import memory_stats
+from lingvo_gpipe.insight import balance_plan
 from lingvo_gpipe.models import model_registry
 from lingvo_gpipe.runners import base_runner
 from lingvo_gpipe.runners import elastic
@@ -131,7 +132,11 @@ flags.DEFINE_float('elastic_wait_secs', 600.0,
                    '--elastic: how long to wait for --elastic_min_workers workers.')
 flags.DEFINE_integer('elastic_stages', None,
                      'Set by --elastic for its client: cut every pipeline into this many '
-                     'stages (one per worker).')
+                     'stages (one per worker), by the planner from --balance_file if given.')
+flags.DEFINE_string('elastic_workers_file', '',
+                    '--elastic: a file of worker addresses (host:port a line, # comments) that '
+                    'replaces the worker job of --cluster_spec and is read again every second: a '
+                    'worker listed later joins at the next checkpoint.')
 flags.DEFINE_integer('worker_intra_op_threads', 0,
                      "--job=worker: the server's intra-op threads (0: TensorFlow's default).")
 flags.DEFINE_integer('worker_inter_op_threads', 0,
@@ -235,7 +240,8 @@ class ClusterConfig:
       raise errors.UserError(
           f'--cluster_spec is for --job=trainer_client, worker and the evalers; --job={FLAGS.job} '
           'trains in this process: drop --cluster_spec, or use --job=trainer_client.')
-    if FLAGS.job in _CLUSTER_JOBS and cluster_lib.WORKER_JOB not in spec:
+    if (FLAGS.job in _CLUSTER_JOBS and cluster_lib.WORKER_JOB not in spec and
+        not (FLAGS.elastic and FLAGS.elastic_workers_file)):
       raise errors.UserError(
           f'--job={FLAGS.job} needs a cluster with a {cluster_lib.WORKER_JOB} job: '
           f'--cluster_spec={cluster_lib.WORKER_JOB}=host:port,host:port or TF_CONFIG; got '
@@ -276,13 +282,6 @@ def RunClusterClient(model_params, cluster, dataset_name):
 
   def Job():
     cluster_lib.Connect(cluster.spec, cluster.timeout_secs)
-    if FLAGS.elastic_stages:
-      try:
-        cuts = elastic.Recut(model_params.task, FLAGS.elastic_stages)
-      except ValueError as e:
-        raise errors.UserError(str(e)) from None
-      logging.info('Elastic: the pipelines re-cut onto %d worker(s): %s.', FLAGS.elastic_stages,
-                   '; '.join(cuts))
     local_devices.PlacePipelines(model_params.task, cluster.worker_split_size,
                                  cluster.worker_replicas)
     if cluster.job == 'trainer_client':
@@ -313,10 +312,23 @@ def _RunElastic(cluster):
                            '--worker_replicas and --worker_split_size.')
   supervisor = elastic.Supervisor(elastic.ChildArgs(sys.argv[1:]), cluster.spec,
                                   FLAGS.elastic_min_workers, FLAGS.elastic_wait_secs,
-                                  cluster.timeout_secs, FLAGS.logdir)
+                                  cluster.timeout_secs, FLAGS.logdir, FLAGS.elastic_workers_file)
   code = supervisor.Run()
   if code:
     sys.exit(code)
+
+
+def _ElasticCut(model_params):
+  """--elastic's child: the pipelines cut onto --elastic_stages workers (elastic.Replan)."""
+  try:
+    plan = balance_plan.LoadPlan(FLAGS.balance_file) if FLAGS.balance_file else None
+    cuts = elastic.Replan(model_params, FLAGS.elastic_stages, plan,
+                          base_runner.InputBatchSize(model_params),
+                          base_runner.OverrideKeys(FLAGS.model_params_override))
+  except ValueError as e:
+    raise errors.UserError(f'--elastic: {e}') from None
+  logging.info('Elastic: the pipelines cut onto %d worker(s): %s.', FLAGS.elastic_stages,
+               '; '.join(cuts))
 
 
 def _CheckPipeline(model_params, cluster):
@@ -379,7 +391,9 @@ def _Run():
   if not model_registry.GetClass(FLAGS.model).Defines(dataset_name):
     logging.warning('%s defines no %s(): evaluating its Train() data instead.', FLAGS.model,
                     dataset_name)
-  if FLAGS.balance_file:
+  if FLAGS.elastic_stages:
+    _ElasticCut(model_params)
+  elif FLAGS.balance_file:
     # The plan's M is the training batch's, also for an evaler (whose input is another).
     train_params = model_params if dataset_name == 'Train' else base_runner.LoadModelParams(
         FLAGS.model, 'Train', override)
@@ -464,7 +478,7 @@ def main(argv):
       sys.stderr.flush()
       run_lock.ReleaseHeld()
       os._exit(elastic.WORKER_LOST)  # pylint: disable=protected-access
-    sys.exit(1)
+    sys.exit(elastic.NO_FIT if isinstance(e, elastic.NoFitError) else 1)
 
 
 def Main():
