@@ -99,7 +99,7 @@ def PlanFor(params, plan: balance_plan.Plan, num_stages: int, batch_size: int,
   cap, optimizer slots and per-action overhead: K, cut, M, schedule and remat, as
   tools/plan_balance.py chooses them (keeping what `fixed`, dotted keys under 'task', set).
   NoFitError if nothing fits the cap."""
-  pipelines = _OneChunkPipelines(params, 'task')
+  pipelines = _OneChunkPipelines(params.task, 'task')
   if plan.num_stages == num_stages:
     return plan
   _, p = pipelines[0]
