@@ -81,6 +81,7 @@ _FLAGS = [
      '--elastic_wait_secs=nan'],
     ['--job=trainer_client', '--elastic', '--elastic_workers_file=/nonexistent/workers.txt'],
     ['--job=trainer_client', '--elastic', '--elastic_workers_file=/etc/hostname'],
+    ['--elastic_workers_file=/etc/hostname'],
     ['--job=trainer_client', '--cluster_spec=worker=localhost:1', '--worker_timeout_secs=inf'],
     ['--job=trainer_client', '--cluster_spec=worker=localhost:1', '--worker_timeout_secs=-1'],
     ['--job=trainer_client', '--cluster_spec=worker=localhost'],

@@ -374,6 +374,9 @@ def _Run():
   if FLAGS.elastic:
     _RunElastic(cluster)
     return
+  if FLAGS.elastic_workers_file:
+    raise errors.UserError('--elastic_workers_file lists the workers of --elastic: add --elastic '
+                           '--job=trainer_client, or drop it.')
   if not FLAGS.model:
     raise errors.UserError('--model is required (a registry key such as '
                                 'lm.synthetic.GPipeTransformerLmTiny).')
