@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import pairwise
 from lingvo_gpipe import layers
 from lingvo_gpipe.foundation import base_layer
 from lingvo_gpipe.foundation import memory_stats
@@ -107,12 +108,17 @@ def _AssertGradsClose(grads, ref_grads, tol=1e-5):
     assert err <= tol * max(np.max(np.abs(r)), 0.1 * scale)
 
 
-GRID = list(itertools.product([1, 2, 4], [1, 2, 4, 8], gpipe.REMAT_MODES))
+def _EveryCutWithRematCycled():
+  """Every schedule at every (K, M); remat cycles so that it meets every schedule, K and M
+  (and, across schedules, every (K, M)): 72 cases where the full grid has 216."""
+  remats = gpipe.REMAT_MODES
+  return [(sched, k, m, remats[(s + i + j) % len(remats)])
+          for s, sched in enumerate(named_schedules.SCHEDULE_NAMES)
+          for i, k in enumerate([1, 2, 4]) for j, m in enumerate([1, 2, 4, 8])]
 
 
-@pytest.mark.parametrize('k,m,remat', GRID)
-@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
-def testForwardBackwardIsExact(k, m, remat, sched):
+@pytest.mark.parametrize('sched,k,m,remat', _EveryCutWithRematCycled())
+def testForwardBackwardIsExact(sched, k, m, remat):
   pipe = _Pipe(k, m, remat, sched)
   x = _Input()
   ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
@@ -123,11 +129,13 @@ def testForwardBackwardIsExact(k, m, remat, sched):
   _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
 
 
-@pytest.mark.parametrize('k,m,r', [(3, 3, 1), (2, 3, 2), (4, 1, 2), (3, 2, 2)])
-@pytest.mark.parametrize('remat', gpipe.REMAT_MODES)
-@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
-def testEveryScheduleIsExactWithOddSizesAndReplicas(sched, remat, k, m, r):
+@pytest.mark.parametrize('sched,kmr,remat', pairwise.EveryPair(
+    named_schedules.SCHEDULE_NAMES, [(3, 3, 1), (2, 3, 2), (4, 1, 2), (3, 2, 2)],
+    gpipe.REMAT_MODES))
+def testEveryScheduleIsExactWithOddSizesAndReplicas(sched, kmr, remat):
   """K = 3, M = 3 (the batch not a power of 2), M < K, and R = 2 replicas."""
+  k, m, r = kmr
+
   def Build():
     return _Pipe(k, m, remat, sched, num_layers=12, num_replicas=r, allow_device_reuse=True)
 
@@ -217,7 +225,8 @@ def testEvalThenTrainWithEverySchedule(sched):
   _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
 
 
-@pytest.mark.parametrize('k,m,remat', GRID)
+@pytest.mark.parametrize('k,m,remat', itertools.product([1, 2, 4], [1, 2, 4, 8],
+                                                       gpipe.REMAT_MODES))
 def testFPropUnderTapeIsExact(k, m, remat):
   pipe = _Pipe(k, m, remat)
   x = _Input()
@@ -1098,18 +1107,21 @@ def testAMicroBatchOfWeightZeroAddsNothingEvenWhenItsValueIsNaN(sched):
   _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
 
 
-@pytest.mark.parametrize('remat', gpipe.REMAT_MODES)
-@pytest.mark.parametrize('sched', named_schedules.SCHEDULE_NAMES)
-def testABatchSmallerThanMTrainsExactly(sched, remat):
+# (loss, rows, replicas) of a batch smaller than M=4.
+_SMALL_BATCHES = {'mean': (_Loss, 3, 1), 'sum': (_SumLoss, 3, 1), 'pair': (_MeanPair, 3, 1),
+                  'fails_on_no_rows': (_LossOfSomeRows, 3, 1), 'one_row': (_Loss, 1, 1),
+                  'two_replicas': (_Loss, 3, 2)}
+
+
+@pytest.mark.parametrize('sched,batch,remat', pairwise.EveryPair(
+    named_schedules.SCHEDULE_NAMES, list(_SMALL_BATCHES), gpipe.REMAT_MODES))
+def testABatchSmallerThanMTrainsExactly(sched, batch, remat):
   """3 rows, M=4 (micro-batches 1, 1, 1 and an empty one), dropout: mean, sum and (value,
   weight) losses equal the whole batch on one device, and so does one that fails on no rows
   (the empty micro-batch's metrics are zeros, not loss_fn's); so do 3 rows on 2 replicas
   (1, 1, 0, 0 and 1, 0, 0, 0) and 1 row."""
-  pipe = _UnevenPipe(sched, remat)
-  for loss_fn in (_Loss, _SumLoss, _MeanPair, _LossOfSomeRows):
-    _AssertUnevenExact(pipe, _Input()[:3], loss_fn)
-  _AssertUnevenExact(pipe, _Input()[:1], _Loss)
-  _AssertUnevenExact(_UnevenPipe(sched, remat, num_replicas=2), _Input()[:3], _Loss)
+  loss_fn, rows, replicas = _SMALL_BATCHES[batch]
+  _AssertUnevenExact(_UnevenPipe(sched, remat, num_replicas=replicas), _Input()[:rows], loss_fn)
 
 
 @pytest.mark.parametrize('sched', ['gpipe', 'zb_h1'])
