@@ -110,6 +110,14 @@ def testReplanSaysWhenTheModelDoesNotFitTheWorkersLeft():
 def testReplanWithoutAPlanCutsEvenly():
   params = _TinyParams(num_decoder_layers=4, splits=3)
   assert elastic.Replan(params, 2, None, 32) == ['stack: K=2, layers cut at [3, 6]']
+  assert elastic.Replan(params, 3, None, None) == ['stack: K=3, layers cut at [2, 4, 6]']
+
+
+def testReplanByAPlanNeedsTheBatchSize():
+  params = _TinyParams(num_decoder_layers=4, splits=3)
+  plan = _TinyPlan(params, 3, [1] * 6)
+  with pytest.raises(ValueError, match='the planner needs the batch size.*no batch_size'):
+    elastic.Replan(params, 2, plan, None)
 
 
 def testAClientThatDoesNotFitExitsNoFitInOneLine(tmp_path):

@@ -16,6 +16,7 @@ import datetime
 import os
 import re
 import time
+from typing import Any, Callable, Iterator
 
 from absl import logging
 import numpy as np
@@ -23,10 +24,12 @@ import tensorflow as tf
 
 from lingvo_gpipe.foundation import errors
 from lingvo_gpipe.foundation import hyperparams
+from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.insight import balance_plan
 from lingvo_gpipe.insight import pipeline_stats as pipeline_stats_lib
 from lingvo_gpipe.models import model_registry
 from lingvo_gpipe.pipeline import pipeline_params
+from lingvo_gpipe.training import checkpointer as checkpointer_lib
 
 # Splits override text at ';' outside quotes.
 _OVERRIDE_SEPARATOR = re.compile(r""";(?=(?:[^'"]|'[^']*'|"[^"]*")*$)""")
@@ -36,7 +39,7 @@ class NonFiniteError(errors.UserError):
   """The loss, the gradients or the updated weights became NaN or Inf."""
 
 
-def CheckPipelineBatches(model_params):
+def CheckPipelineBatches(model_params: hyperparams.Params) -> None:
   """UserError naming both params if a pipeline of the task cannot split the input's batch."""
   batch_size = InputBatchSize(model_params)
   if batch_size is None:
@@ -47,13 +50,14 @@ def CheckPipelineBatches(model_params):
     raise errors.UserError(str(e)) from None
 
 
-def OverrideKeys(override):
+def OverrideKeys(override: str) -> list[str]:
   """The dotted keys an override text ('a.b : value' lines, see LoadModelParams) sets."""
   lines = '\n'.join(_OVERRIDE_SEPARATOR.split(override)).splitlines()
   return [line.split(':', 1)[0].strip() for line in lines if line.strip()]
 
 
-def LoadModelParams(key, dataset, override='', max_steps=None):
+def LoadModelParams(key: str, dataset: str, override: str = '',
+                    max_steps: int | None = None) -> hyperparams.Params:
   """Model params of `key` for `dataset`, with overrides and max_steps applied.
 
   The override is Lingvo-style params text, 'a.b : value' lines separated by ';'
@@ -85,7 +89,7 @@ def LoadModelParams(key, dataset, override='', max_steps=None):
 _NOT_CARRIED = re.compile(r'(^|\.)(devices|num_replicas)$|^train\.max_steps$|^task\.input(\.|$)')
 
 
-def TrainersSettings(key, dataset, params_text):
+def TrainersSettings(key: str, dataset: str, params_text: str) -> list[str]:
   """['a.b : value'] lines of the trainer's recorded params (<logdir>/train/params.txt) that
   an evaler of `dataset` takes: the trainer's overrides (where they differ from the
   registered Train() params) of settings that `dataset` shares with Train(), such as the
@@ -98,12 +102,12 @@ def TrainersSettings(key, dataset, params_text):
           not _NOT_CARRIED.search(k)]
 
 
-def _ParamsLines(text):
+def _ParamsLines(text: str) -> list[tuple[str, ...]]:
   return [tuple(part.strip() for part in line.split(' : ', 1))
           for line in text.splitlines() if ' : ' in line]
 
 
-def InputBatchSize(model_params):
+def InputBatchSize(model_params: hyperparams.Params) -> int | None:
   """The batch size of the model's input params, or None if they fix none."""
   inputs = model_params.input
   if isinstance(inputs, hyperparams.Params) and 'batch_size' in inputs:
@@ -111,7 +115,8 @@ def InputBatchSize(model_params):
   return None
 
 
-def ApplyBalanceFile(model_params, path, override='', train_batch_size=None):
+def ApplyBalanceFile(model_params: hyperparams.Params, path: str, override: str = '',
+                     train_batch_size: int | None = None) -> list[str]:
   """Cuts the task's pipelines by the balance plan at `path` (tools/plan_balance.py), with the
   M, schedule and remat it was made for; a UserError if `override` set another of them (a
   micro_batch_size is checked by the M it gives the training batch, `train_batch_size`).
@@ -123,7 +128,8 @@ def ApplyBalanceFile(model_params, path, override='', train_batch_size=None):
     raise errors.UserError(f'--balance_file: {e}') from None
 
 
-def InputDataset(input_params, start_batch=0):
+def InputDataset(input_params: hyperparams.Params | None,
+                 start_batch: int = 0) -> tf.data.Dataset:
   """The tf.data.Dataset of an experiment's input params (see the module doc)."""
   return InputGenerator(input_params).Dataset(start_batch)
 
@@ -132,7 +138,7 @@ class InputGenerator:
   """An experiment's input generator, built (and so checked) before its dataset is made:
   a trainer refuses bad input params before it writes anything."""
 
-  def __init__(self, input_params):
+  def __init__(self, input_params: hyperparams.Params | None):
     if input_params is None:
       raise errors.UserError('The model params have no input params (model.input is None).')
     try:
@@ -143,7 +149,7 @@ class InputGenerator:
       raise errors.UserError(f'Input generator {type(self._generator).__name__} has no '
                       'GetDataset(start_batch) method returning a tf.data.Dataset.')
 
-  def Dataset(self, start_batch=0):
+  def Dataset(self, start_batch: int = 0) -> tf.data.Dataset:
     """The batches from batch `start_batch` on."""
     try:
       dataset = self._generator.GetDataset(start_batch=start_batch)
@@ -155,7 +161,7 @@ class InputGenerator:
     return dataset
 
 
-def BatchSize(element_spec):
+def BatchSize(element_spec) -> int | None:
   """The static leading dimension of the first tensor of a batch, or None."""
   leaves = tf.nest.flatten(element_spec)
   return leaves[0].shape[0] if leaves and leaves[0].shape.rank else None
@@ -168,7 +174,7 @@ _SCALAR_METADATA = tf.compat.v1.SummaryMetadata(
     data_class='DATA_CLASS_SCALAR')
 
 
-def WriteScalars(writer, step, scalars):
+def WriteScalars(writer: tf.summary.SummaryWriter, step: int, scalars: dict[str, Any]) -> None:
   """Writes TensorBoard scalars name -> value at `step`."""
   with errors.Writing('TensorBoard summaries'), writer.as_default(step=step):
     for name, value in scalars.items():
@@ -176,21 +182,21 @@ def WriteScalars(writer, step, scalars):
     writer.flush()
 
 
-def _Crossed(before, after, interval):
+def _Crossed(before: int, after: int, interval: int) -> bool:
   """Whether a multiple of `interval` lies in (before, after]."""
   return interval > 0 and after // interval > before // interval
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopSettings:
-  """How often the host loop does what, in steps."""
-  max_steps: int
+  """How often the host loop does what, in steps (max_steps may be math.inf: no end)."""
+  max_steps: float
   steps_per_loop: int = 1
   save_interval_steps: int = 1000
   summary_interval_steps: int = 100
   log_interval_steps: int = 100
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if self.max_steps < 0:
       raise errors.UserError(f'max_steps must be at least 0, got {self.max_steps}.')
     for name in ('steps_per_loop', 'save_interval_steps', 'summary_interval_steps',
@@ -215,13 +221,14 @@ class PipelineStats:
   not written (they would show as a spike); statistics start at the second.
   """
   every: int
-  step_fn: object
+  step_fn: Callable[[Iterator], tuple]
   trace_dir: str = ''
-  device_names: dict = dataclasses.field(default_factory=dict)
+  device_names: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
   schedule: str = ''
 
 
-def _WritePipelineStats(writer, step, timeline, stats):
+def _WritePipelineStats(writer: tf.summary.SummaryWriter, step: int,
+                        timeline: pipeline_stats_lib.Timeline, stats: PipelineStats) -> None:
   summary = pipeline_stats_lib.Summarize(timeline, stats.schedule or None)
   WriteScalars(writer, step, summary.Scalars())
   if stats.trace_dir:
@@ -238,20 +245,20 @@ def _WritePipelineStats(writer, step, timeline, stats):
 class _Progress:
   """Speed and time-left estimates; the first loop call (tracing) is left out."""
 
-  def __init__(self, max_steps, batch_size):
+  def __init__(self, max_steps: float, batch_size: int | None):
     self._max_steps = max_steps
     self._batch_size = batch_size
     self._steps = 0
     self._seconds = 0.0
     self._calls = 0
 
-  def Record(self, steps, seconds):
+  def Record(self, steps: int, seconds: float) -> None:
     self._calls += 1
     if self._calls > 1:
       self._steps += steps
       self._seconds += seconds
 
-  def Speed(self, steps, seconds):
+  def Speed(self, steps: int | None, seconds: float) -> dict[str, float]:
     """step_time and examples_per_second of one loop call, or of the calls so far (after the
     first) when steps is None; none for the first call, whose time is mostly tracing (a
     spike in TensorBoard)."""
@@ -266,14 +273,14 @@ class _Progress:
       speed['examples_per_second'] = self._batch_size * steps / seconds
     return speed
 
-  def TimeLeft(self, step):
+  def TimeLeft(self, step: int) -> str:
     if not self._steps or self._max_steps == np.inf:
       return '?'
     seconds = (self._max_steps - step) * self._seconds / self._steps
     return str(datetime.timedelta(seconds=round(seconds)))
 
 
-def _NonFinite(out):
+def _NonFinite(out: py_utils.NestedMap) -> tuple[str, bool]:
   """What was not finite in a step's Learner.Apply outputs, and whether it was applied."""
   loss, grad_norm = float(out.loss), float(out.grad_norm)
   learning_rate = float(out.learning_rate)
@@ -288,7 +295,7 @@ def _NonFinite(out):
           f'learning rate {learning_rate:g} made weights not finite', True)
 
 
-def _LogSkips(out, first_step, last_step):
+def _LogSkips(out: py_utils.NestedMap, first_step: int, last_step: int) -> None:
   """A line when float16 overflows skipped steps of a loop call (out.skips)."""
   skips = int(out.skips)
   if skips:
@@ -298,8 +305,10 @@ def _LogSkips(out, first_step, last_step):
                  '%g.', steps, float(out.loss_scale))
 
 
-def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, batch_size,
-                pipeline_stats=None, stop=None):
+def RunTraining(loop_fn: Callable[..., py_utils.NestedMap], iterator: Iterator,
+                global_step: tf.Variable, checkpointer: checkpointer_lib.Checkpointer,
+                writer: tf.summary.SummaryWriter, settings: LoopSettings, batch_size: int | None,
+                pipeline_stats: PipelineStats | None = None, stop=None) -> int:
   """Trains until settings.max_steps, the end of the input or a stop; returns the global step.
 
   Args:
@@ -384,7 +393,8 @@ def RunTraining(loop_fn, iterator, global_step, checkpointer, writer, settings, 
 EVAL_PROGRESS_SECONDS = 60
 
 
-def Evaluate(eval_fn, dataset, num_batches=None):
+def Evaluate(eval_fn: Callable[[Any], py_utils.NestedMap], dataset: tf.data.Dataset,
+             num_batches: int | None = None) -> tuple[dict[str, float], int]:
   """Metrics averaged over batches as sum(value * weight) / sum(weight); a progress line
   every EVAL_PROGRESS_SECONDS, so that a long or endless input (a generator whose end
   tf.data cannot know) is seen running.

@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import os
 import sys
+from typing import Any, Callable
 
 from absl import app
 from absl import flags
@@ -26,17 +27,17 @@ from lingvo_gpipe.foundation import log_filter
 
 
 @functools.cache
-def _TensorFlowDir():
+def _TensorFlowDir() -> str:
   """TensorFlow's package directory, found without importing it."""
   return os.path.dirname(importlib.util.find_spec('tensorflow').origin) + os.sep
 
 
-def _NotTensorFlowInfo(record):
+def _NotTensorFlowInfo(record: logging.LogRecord) -> bool:
   """A logging filter: False for INFO (and finer) records logged from TensorFlow's files."""
   return record.levelno > logging.INFO or not record.pathname.startswith(_TensorFlowDir())
 
 
-def QuietTensorFlow():
+def QuietTensorFlow() -> None:
   """Keeps TensorFlow's messages that a user cannot act on out of the binary's log.
 
   TensorFlow's C++ log level becomes 3 unless TF_CPP_MIN_LOG_LEVEL is set: on
@@ -55,7 +56,7 @@ def QuietTensorFlow():
     _ImportTensorFlow()
 
 
-def _ImportTensorFlow():
+def _ImportTensorFlow() -> None:
   """Imports TensorFlow, passing on only the stderr lines of its load that
   TF_CPP_MIN_LOG_LEVEL lets through.
 
@@ -68,7 +69,7 @@ def _ImportTensorFlow():
     import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
 
 
-def _ParseFlags(argv):
+def _ParseFlags(argv: list[str]) -> list[str]:
   """absl's parsing, but a bad flag is one line '<binary>: error: ...' (exit 1), and --help
   and --helpfull exit 0: the help is what was asked for."""
   try:
@@ -82,6 +83,6 @@ def _ParseFlags(argv):
     raise SystemExit(0 if e.code == 1 else e.code) from None
 
 
-def Run(main):
+def Run(main: Callable[[list[str]], Any]) -> None:
   """absl.app.run(main) with the help flags exiting 0."""
   app.run(main, flags_parser=_ParseFlags)

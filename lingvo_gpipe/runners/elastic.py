@@ -29,11 +29,13 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any, Sequence
 
 from absl import logging
 
 from lingvo_gpipe.distribution import cluster as cluster_lib
 from lingvo_gpipe.foundation import errors
+from lingvo_gpipe.foundation import hyperparams
 from lingvo_gpipe.insight import balance_plan
 from lingvo_gpipe.insight import planner
 from lingvo_gpipe.pipeline import gpipe
@@ -46,7 +48,8 @@ _STARTED = re.compile(r'Training \S+ from step (\d+) ')
 _PROGRESS = re.compile(r'step (\d+)/')
 
 
-def _OneChunkPipelines(params, path=''):
+def _OneChunkPipelines(params: hyperparams.Params,
+                       path: str = '') -> list[tuple[str, hyperparams.Params]]:
   """(where, p) of every pipeline of `params`; ValueError if there is none, or one runs
   several chunks per device (what the re-cut does not cut)."""
   pipelines = list(pipeline_params.Find(params, path))
@@ -59,7 +62,7 @@ def _OneChunkPipelines(params, path=''):
   return pipelines
 
 
-def Recut(params, num_stages: int) -> list[str]:
+def Recut(params: hyperparams.Params, num_stages: int) -> list[str]:
   """Cuts every pipeline of `params` into `num_stages` stages of as even a number of layers
   as divides; returns a line per pipeline. ValueError where it cannot."""
   lines = []
@@ -78,7 +81,8 @@ class NoFitError(errors.UserError):
   """The balance plan's model does not fit this many workers under its memory cap."""
 
 
-def _Candidates(pipelines, batch_size, plan, fixed):
+def _Candidates(pipelines: list[tuple[str, hyperparams.Params]], batch_size: int,
+                plan: balance_plan.Plan, fixed: Sequence[str]) -> dict[str, Any]:
   """ChoosePlan's candidate lists: each of M, schedule, remat and remat policy, unless the
   user set it (a dotted key in `fixed`), when only their value."""
   choices = dict(micro_batches=None, schedules=planner.PLANNABLE_SCHEDULES,
@@ -93,8 +97,8 @@ def _Candidates(pipelines, batch_size, plan, fixed):
   return choices
 
 
-def PlanFor(params, plan: balance_plan.Plan, num_stages: int, batch_size: int,
-            fixed=()) -> balance_plan.Plan:
+def PlanFor(params: hyperparams.Params, plan: balance_plan.Plan, num_stages: int,
+            batch_size: int, fixed: Sequence[str] = ()) -> balance_plan.Plan:
   """The planner's best plan for `num_stages` devices, from `plan`'s layer profiles, memory
   cap, optimizer slots and per-action overhead: K, cut, M, schedule and remat, as
   tools/plan_balance.py chooses them (keeping what `fixed`, dotted keys under 'task', set).
@@ -115,12 +119,15 @@ def PlanFor(params, plan: balance_plan.Plan, num_stages: int, batch_size: int,
   return best
 
 
-def Replan(model_params, num_stages: int, plan: balance_plan.Plan | None, batch_size: int,
-           fixed=()) -> list[str]:
+def Replan(model_params: hyperparams.Params, num_stages: int, plan: balance_plan.Plan | None,
+           batch_size: int | None, fixed: Sequence[str] = ()) -> list[str]:
   """Cuts the task's pipelines onto `num_stages` workers: by the planner from `plan` (the
   --balance_file), else evenly (Recut). Returns what it did, a line per change."""
   if plan is None:
     return Recut(model_params.task, num_stages)
+  if batch_size is None:
+    raise ValueError('the planner needs the batch size, and the input params set no '
+                     'batch_size: cut evenly (no --balance_file) or give the input a batch_size')
   plan = PlanFor(model_params, plan, num_stages, batch_size, fixed)
   changes = balance_plan.ApplyPlan(model_params.task, plan, 'task', fixed, batch_size)
   predicted = plan.Predict()
@@ -195,8 +202,8 @@ class Supervisor:
       the workers: a worker listed later joins at the next checkpoint.
   """
 
-  def __init__(self, args, spec, min_workers, wait_secs, timeout_secs, logdir,
-               workers_file=''):
+  def __init__(self, args: Sequence[str], spec: dict[str, list[str]], min_workers: int,
+               wait_secs: float, timeout_secs: float, logdir: str, workers_file: str = ''):
     self._args = list(args)
     self._spec = {job: a for job, a in spec.items() if job != cluster_lib.WORKER_JOB}
     self._workers_file = workers_file
@@ -212,7 +219,7 @@ class Supervisor:
     self._child = None
     self._stopping = False
 
-  def _Listed(self):
+  def _Listed(self) -> list[str]:
     """The workers listed now; a workers file that cannot be read keeps the last list."""
     if self._workers_file:
       try:
@@ -226,12 +233,12 @@ class Supervisor:
       self._listed = listed
     return self._listed
 
-  def _Answering(self):
+  def _Answering(self) -> list[str]:
     listed = self._Listed()
     failures = cluster_lib.UnansweredWorkers(listed, min(self._timeout, 2.0)) if listed else {}
     return [a for t, a in enumerate(listed) if t not in failures]
 
-  def _WaitFor(self, fewest, why):
+  def _WaitFor(self, fewest: int, why: str) -> list[str]:
     """The answering workers, once at least `fewest` do; WorkerUnavailableError after
     wait_secs."""
     deadline = time.time() + self._wait_secs
@@ -251,7 +258,8 @@ class Supervisor:
         last_said = time.time()
       time.sleep(_POLL_SECS)
 
-  def _Start(self, live, after):
+  def _Start(self, live: list[str],
+             after: tuple[int | None, float] | None) -> tuple[_Child, threading.Thread]:
     spec = dict(self._spec, **{cluster_lib.WORKER_JOB: live})
     text = '@'.join(f'{job}={",".join(addresses)}' for job, addresses in spec.items())
     command = [sys.executable, '-m', 'lingvo_gpipe.runners.trainer', *self._args,
@@ -262,7 +270,7 @@ class Supervisor:
     relay.start()
     return child, relay
 
-  def _Relay(self, child):
+  def _Relay(self, child: _Child) -> None:
     """Passes the child's log on, noting where it starts training and how far it got."""
     for line in child.proc.stderr:
       sys.stderr.write(line)
@@ -275,7 +283,7 @@ class Supervisor:
       if progress:
         child.last_step = int(progress.group(1))
 
-  def _Report(self, child, step):
+  def _Report(self, child: _Child, step: int) -> None:
     """The log line and scalar of a change, as the new child starts training at `step`."""
     last_step, ended = child.after
     redone = max(0, (step if last_step is None else last_step) - step)
@@ -287,7 +295,7 @@ class Supervisor:
     with tf.summary.create_file_writer(os.path.join(self._logdir, 'elastic')).as_default():
       tf.summary.scalar('elastic/workers', len(child.workers), step=step)
 
-  def _Wait(self, child):
+  def _Wait(self, child: _Child) -> int:
     """The child's exit status; asks it to stop once a worker it lacks answers."""
     while child.proc.poll() is None:
       time.sleep(_POLL_SECS)
@@ -301,7 +309,7 @@ class Supervisor:
         child.proc.send_signal(signal.SIGTERM)
     return child.proc.wait()
 
-  def _OnSignal(self, signum, unused_frame):
+  def _OnSignal(self, signum: int, unused_frame) -> None:
     """SIGTERM or SIGINT: the child stops at a checkpoint, and no other starts."""
     self._stopping = True
     if self._child is not None and self._child.proc.poll() is None:

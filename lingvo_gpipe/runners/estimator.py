@@ -65,7 +65,7 @@ class RunConfig:
   keep_checkpoint_max: int = 5
   log_step_count_steps: int = 100
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     try:
       checkpoint_files.CheckDirectoryName(self.model_dir, 'RunConfig.model_dir')
     except ValueError as e:
@@ -96,7 +96,7 @@ class EstimatorSpec:
   train_params: object = None
 
 
-def TaskSpec(task, input_batch, mode):
+def TaskSpec(task: base_model.BaseTask, input_batch, mode: str) -> EstimatorSpec:
   """The EstimatorSpec of a base_model.BaseTask in any mode; a plain dict batch (an input_fn
   of one's own) reads as the NestedMap the task expects."""
   input_batch = _AsNestedMap(input_batch)
@@ -119,7 +119,8 @@ def _AsNestedMap(value):
   return value
 
 
-def RegistryInputFn(key, dataset, model_params_override=''):
+def RegistryInputFn(key: str, dataset: str,
+                    model_params_override: str = '') -> Callable[[dict], tf.data.Dataset]:
   """input_fn of a registered experiment's Train, Dev or Test input.
 
   The batch size is params['batch_size'] where the input params define one;
@@ -151,11 +152,11 @@ class _VariableStore(tf.Module):
     self._scratch = {}
 
   @property
-  def empty(self):
+  def empty(self) -> bool:
     return not self._by_name
 
   @contextlib.contextmanager
-  def Scope(self):
+  def Scope(self) -> Iterator[None]:
     """Within: tf.Variable(name=n) makes variable n once, later returns it."""
     created_here = set()
 
@@ -180,7 +181,7 @@ class _VariableStore(tf.Module):
       yield
 
 
-def _CheckSteps(**counts):
+def _CheckSteps(**counts: int | None) -> None:
   """Raises a ValueError naming a step count that is given but not a positive int."""
   for name, value in counts.items():
     if value is not None and (not isinstance(value, numbers.Integral) or
@@ -188,19 +189,19 @@ def _CheckSteps(**counts):
       raise ValueError(f'{name} must be a positive int or None, got {value!r}.')
 
 
-def _Features(element):
+def _Features(element) -> tuple:
   """(features, labels) of an input element: a (features, labels) pair or features alone."""
   if isinstance(element, tuple) and len(element) == 2:
     return element
   return element, None
 
 
-def _Metrics(spec):
+def _Metrics(spec: EstimatorSpec) -> py_utils.NestedMap:
   """NestedMap name -> (value, weight) of a spec's eval metrics and loss."""
   return metrics_lib.AsMetrics(dict(spec.eval_metrics or {}, loss=spec.loss))
 
 
-def _FlatPredictions(predictions):
+def _FlatPredictions(predictions) -> dict[str, tf.Tensor]:
   return dict(py_utils.NestedMap(predictions).FlattenItems())
 
 
@@ -217,8 +218,9 @@ class Estimator:
       of each mode.
   """
 
-  def __init__(self, model_fn, config, params=None, train_batch_size=None, eval_batch_size=None,
-               predict_batch_size=None):
+  def __init__(self, model_fn: Callable[..., EstimatorSpec], config: RunConfig,
+               params: dict[str, Any] | None = None, train_batch_size: int | None = None,
+               eval_batch_size: int | None = None, predict_batch_size: int | None = None):
     for name in ('iterations_per_loop', 'save_checkpoints_steps', 'keep_checkpoint_max',
                  'log_step_count_steps'):
       if getattr(config, name) < 1:
@@ -237,8 +239,9 @@ class Estimator:
     self._writers = {}
 
   @classmethod
-  def from_registry(cls, key, config, model_params_override='', train_batch_size=None,
-                    eval_batch_size=None, predict_batch_size=None):
+  def from_registry(cls, key: str, config: RunConfig, model_params_override: str = '',
+                    train_batch_size: int | None = None, eval_batch_size: int | None = None,
+                    predict_batch_size: int | None = None) -> 'Estimator':
     """An Estimator of registered experiment `key`'s task; a batch size not given is its
     Train, Dev or Test input's (RegistryInputFn reads params['batch_size'])."""
     model_params = {d: base_runner.LoadModelParams(key, d, model_params_override)
@@ -268,11 +271,11 @@ class Estimator:
                eval_batch_size=BatchSize('Dev'), predict_batch_size=BatchSize('Test'))
 
   @property
-  def model_dir(self):
+  def model_dir(self) -> str:
     return self._config.model_dir
 
   @property
-  def global_step(self):
+  def global_step(self) -> int:
     return int(self._global_step.numpy())
 
   # -- public API ------------------------------------------------------------------------
@@ -296,7 +299,8 @@ class Estimator:
       self._Train(input_fn, max_steps, steps)
     return self
 
-  def _Train(self, input_fn, max_steps, steps):
+  def _Train(self, input_fn: Callable[..., tf.data.Dataset], max_steps: int | None,
+             steps: int | None) -> None:
     """train()'s work, holding the lock of model_dir."""
     start = self._LatestStep()
     target = max_steps if max_steps is not None else start + steps if steps is not None else np.inf
@@ -384,12 +388,13 @@ class Estimator:
 
   # -- internals -------------------------------------------------------------------------
 
-  def _LatestStep(self):
+  def _LatestStep(self) -> int:
     """The global step of model_dir's newest intact checkpoint (0 if none)."""
     path = checkpoint_files.Newest(self.model_dir)
     return checkpoint_files.Step(path) if path else 0
 
-  def _Dataset(self, input_fn, mode, start_batch=0):
+  def _Dataset(self, input_fn: Callable[..., tf.data.Dataset], mode: str,
+               start_batch: int = 0) -> tf.data.Dataset:
     params = dict(self._params, batch_size=self._batch_sizes[mode], start_batch=start_batch)
     dataset = input_fn(params)
     if not isinstance(dataset, tf.data.Dataset):
@@ -397,7 +402,7 @@ class Estimator:
                                   'tf.data.Dataset.')
     return dataset
 
-  def _CallModelFn(self, element, mode):
+  def _CallModelFn(self, element, mode: str) -> EstimatorSpec:
     features, labels = _Features(element)
     params = dict(self._params, batch_size=self._batch_sizes[mode])
     context = py_utils.EvalMode() if mode != ModeKeys.TRAIN else contextlib.nullcontext()
@@ -416,38 +421,38 @@ class Estimator:
                                   f'without {needed}.')
     return spec
 
-  def _Trace(self, element_spec, mode):
+  def _Trace(self, element_spec, mode: str) -> EstimatorSpec:
     """Traces model_fn once without running it (creating variables); returns its spec."""
     specs = []
     tf.function(lambda element: specs.append(self._CallModelFn(element, mode)),
                 autograph=False).get_concrete_function(element_spec)
     return specs[-1]
 
-  def _Function(self, kind, element_spec, make):
+  def _Function(self, kind: str, element_spec, make: Callable[[], Callable]) -> Callable:
     key = (kind, repr(element_spec))
     if key not in self._functions:
       self._functions[key] = make()
     return self._functions[key]
 
-  def _Checkpointer(self):
+  def _Checkpointer(self) -> checkpointer_lib.Checkpointer:
     return checkpointer_lib.Checkpointer(
         self.model_dir, self._store.variables, self._global_step,
         self._learner.state if self._learner else None,
         max_to_keep=self._config.keep_checkpoint_max)
 
-  def _Restore(self, element_spec, mode):
+  def _Restore(self, element_spec, mode: str) -> None:
     """Builds the model if needed and restores the latest checkpoint, which must exist."""
     if self._store.empty:
       self._Trace(element_spec, mode)
     if not self._Checkpointer().Restore():
       raise errors.UserError(f'No checkpoint in {self.model_dir}: train first.')
 
-  def _Writer(self, directory):
+  def _Writer(self, directory: str) -> tf.summary.SummaryWriter:
     if directory not in self._writers:
       self._writers[directory] = tf.summary.create_file_writer(directory)
     return self._writers[directory]
 
-  def _ForwardBackward(self, element):
+  def _ForwardBackward(self, element) -> tuple[py_utils.NestedMap, list]:
     with tf.GradientTape() as tape:
       spec = self._CallModelFn(element, ModeKeys.TRAIN)
     metrics = _Metrics(spec)
@@ -457,5 +462,5 @@ class Estimator:
     return metrics, list(zip(py_utils.ScaledGradients(tape, metrics.loss[0], variables),
                              variables))
 
-  def _Predictions(self, element):
+  def _Predictions(self, element) -> dict[str, tf.Tensor]:
     return _FlatPredictions(self._CallModelFn(element, ModeKeys.PREDICT).predictions)

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import time
+from typing import Callable, Iterator
 
 from absl import logging
 import tensorflow as tf
@@ -27,6 +28,7 @@ from lingvo_gpipe.models import tasks as tasks_lib
 from lingvo_gpipe.runners import base_runner
 from lingvo_gpipe.runners import jobs
 from lingvo_gpipe.training import checkpoint_files
+from lingvo_gpipe.training import checkpointer as checkpointer_lib
 
 # Decodes shown in TensorBoard's text tab per checkpoint (all are in decodes-<step>.txt).
 _DECODES_SHOWN = 8
@@ -126,7 +128,7 @@ def Run(model_params: hyperparams.Params, logdir: str, dataset_name: str,
       f'({evaluated}, train.max_steps={max_steps}): is the trainer running?')
 
 
-def _Evaluation(task, on_cluster, batches):
+def _Evaluation(task: tf.Module, on_cluster: bool, batches: int | None) -> Callable:
   """(dataset, step, writer) -> (metrics of the task's FPropTower, batches evaluated)."""
   @tf.function(autograph=False)
   def EvalStep(batch):
@@ -149,7 +151,8 @@ def CheckDecodes(task: tf.Module, flag: str, model: str) -> None:
         f'--model={model} is {type(task).__name__}.')
 
 
-def _Decoding(task, decode_dir, on_cluster, settings):
+def _Decoding(task: tf.Module, decode_dir: str, on_cluster: bool,
+              settings: EvalSettings) -> Callable:
   """(dataset, step, writer) -> (exact_match and bleu of the decodes, batches decoded); the
   decodes go to <decode_dir>/decodes-<step>.txt and TensorBoard's text tab."""
   CheckDecodes(task, f'job={settings.job}', settings.model)
@@ -215,7 +218,8 @@ def _TrainersMaxSteps(train_dir: str, own: int, own_given: bool) -> int:
   return min(own, int(found.group(1))) if found else own
 
 
-def _NewCheckpoints(checkpointer, timeout_secs, poll_secs=1.0):
+def _NewCheckpoints(checkpointer: checkpointer_lib.Checkpointer, timeout_secs: float | None,
+                    poll_secs: float = 1.0) -> Iterator[str]:
   """Yields the newest intact checkpoint each time there is a newer one than the last.
 
   Found by listing and verifying (Checkpointer.Newest), not by the state file.

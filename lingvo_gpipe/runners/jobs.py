@@ -30,7 +30,8 @@ def MakeWritableDir(path: str) -> None:
 
 
 def Instantiate(model_params: hyperparams.Params, train_dir: str, with_learner: bool = False,
-                max_to_keep: int = 5) -> tuple:
+                max_to_keep: int = 5) -> tuple[tf.Module, tf.Variable, learner_lib.Learner | None,
+                                                checkpointer_lib.Checkpointer]:
   """(task, global step, Learner or None, Checkpointer of train_dir keeping max_to_keep)."""
   try:
     task = model_params.Instantiate().task
@@ -52,6 +53,6 @@ def StepPlacement(on_cluster: bool) -> contextlib.AbstractContextManager:
   return cluster_lib.ColocatedWithInputs() if on_cluster else contextlib.nullcontext()
 
 
-def Pipelines(task: tf.Module) -> list:
+def Pipelines(task: tf.Module) -> list[gpipe.PipeliningLayer]:
   """The task's PipeliningLayers."""
   return [m for m in task.submodules if isinstance(m, gpipe.PipeliningLayer)]

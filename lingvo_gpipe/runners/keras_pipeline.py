@@ -48,6 +48,7 @@ float32 output layer, as Keras advises) computes in that, as in Keras.
 
 import contextlib
 import functools
+from typing import Any, Callable, Sequence
 import warnings
 
 import keras
@@ -61,12 +62,12 @@ from lingvo_gpipe.pipeline import gpipe
 from lingvo_gpipe.pipeline import schedule as schedule_lib
 
 
-def _ComputeDType(config):
+def _ComputeDType(config: dict[str, Any]) -> tf.DType:
   """The compute dtype of a serialized Keras layer's dtype policy."""
   return tf.as_dtype(keras.dtype_policies.get(config['config'].get('dtype')).compute_dtype)
 
 
-def _LayersAndShape(layers):
+def _LayersAndShape(layers) -> tuple[list, tuple | None]:
   """(layers, one example's input shape or None) of a Sequential or a layer list."""
   if isinstance(layers, keras.Sequential):
     shape = tuple(layers.inputs[0].shape[1:]) if layers.built and layers.inputs else None
@@ -80,7 +81,7 @@ def _LayersAndShape(layers):
   return _Flattened(layers), None
 
 
-def _Flattened(layers):
+def _Flattened(layers: Sequence) -> list:
   """The layers with each keras.Sequential among them replaced by its own (it runs them in
   order, so the pipeline can cut between them); other models are refused."""
   out = []
@@ -96,7 +97,7 @@ def _Flattened(layers):
   return out
 
 
-def _CheckedBalance(balance, cost, num_layers, chunks):
+def _CheckedBalance(balance: Sequence[int], cost, num_layers: int, chunks: int) -> list[int]:
   """`balance` as a list of ints, or a ValueError naming what does not fit."""
   if cost != 'auto':
     raise ValueError(f'PipelineModel: give cost={cost!r} or balance={balance!r}, not both.')
@@ -108,7 +109,7 @@ def _CheckedBalance(balance, cost, num_layers, chunks):
   return counts
 
 
-def _LossOption(loss, name, default=None):
+def _LossOption(loss: Any, name: str, default: Any = None) -> Any:
   """A loss object's or functools.partial's option `name` (default if it has none)."""
   if isinstance(loss, functools.partial):
     return loss.keywords.get(name, default)
@@ -146,9 +147,11 @@ class PipelineModel(keras.Model):
     **kwargs: keras.Model arguments (name, dtype, trainable).
   """
 
-  def __init__(self, layers, num_stages=1, num_micro_batches=1, schedule='gpipe',
-               virtual_stages=1, remat='always', devices=None, allow_device_reuse=False,
-               cost='auto', balance=None, jit_compile=False, input_shape=None, **kwargs):
+  def __init__(self, layers, num_stages: int = 1, num_micro_batches: int = 1,
+               schedule: str = 'gpipe', virtual_stages: int = 1, remat: str = 'always',
+               devices: Sequence[str] | None = None, allow_device_reuse: bool = False,
+               cost='auto', balance: Sequence[int] | None = None, jit_compile: bool = False,
+               input_shape: Sequence[int | None] | None = None, **kwargs):
     super().__init__(**kwargs)
     # XLA compiles one device's work and a train step spans the stages' devices: Keras
     # then warns of and ignores compile(jit_compile=True); see jit_compile above.
@@ -189,16 +192,16 @@ class PipelineModel(keras.Model):
       self.build((None,) + self._input_shape)
 
   @property
-  def pipeline(self):
+  def pipeline(self) -> gpipe.PipeliningLayer | None:
     """The gpipe.PipeliningLayer that runs the layers (None before the model is built)."""
     return self._pipeline
 
   @property
-  def pipeline_layers(self):
+  def pipeline_layers(self) -> list[keras.layers.Layer]:
     """The Keras layers as the pipeline runs them, in order; their weights are the model's."""
     return list(self._pipeline_layers) if self._pipeline is not None else []
 
-  def build(self, input_shape):
+  def build(self, input_shape) -> None:
     if self._pipeline is not None:
       return
     shape = tuple(tf.TensorShape(input_shape).as_list()[1:])
@@ -261,7 +264,7 @@ class PipelineModel(keras.Model):
     with py_utils.Context(training=training, step=step), autocast:
       return self._pipeline.FProp(self._pipeline.theta, inputs)
 
-  def train_step(self, data):
+  def train_step(self, data) -> dict[str, Any]:
     """One step of the schedule (module doc): ForwardBackward with compile()'s loss,
     the regularizers' gradients added, applied by the optimizer; the logs of
     Keras's own train_step (loss and compiled metrics)."""
@@ -273,7 +276,7 @@ class PipelineModel(keras.Model):
       self.train_function = None
       raise
 
-  def _TrainStep(self, data):
+  def _TrainStep(self, data) -> dict[str, Any]:
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if self._compile_loss is None:
       raise ValueError(f'{self.name}: fit() trains the loss of compile(loss=...); none given.')
@@ -306,7 +309,7 @@ class PipelineModel(keras.Model):
     self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
     return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-  def _LossReduction(self):
+  def _LossReduction(self) -> str | None:
     """How compile()'s loss merges over micro-batches (loss_contract.py): 'mean' for Keras's
     reduction='sum_over_batch_size' (a function of your own is wrapped with it), 'sum' for
     reduction='sum'. A loss of per-example values (reduction=None) is refused: fit() trains
@@ -348,18 +351,19 @@ class PipelineModel(keras.Model):
           "one reduction, or use schedule='gpipe'.")
     return reductions.pop() if reductions else 'mean'
 
-  def _CastInput(self, x):
+  def _CastInput(self, x) -> tf.Tensor:
     """A floating input in the compute dtype, as keras.Model.__call__ hands it to call()."""
     x = tf.convert_to_tensor(x)
     return tf.cast(x, self.compute_dtype) if x.dtype.is_floating else x
 
-  def _ScaledLoss(self, y_pred, labels):
+  def _ScaledLoss(self, y_pred: tf.Tensor, labels: tuple) -> tf.Tensor:
     """compile()'s loss of (a micro-batch's) outputs, scaled as the optimizer asks (a
     LossScaleOptimizer's scale keeps float16 gradients from underflowing)."""
     y, sample_weight = labels
     return self.optimizer.scale_loss(self._compile_loss(y, y_pred, sample_weight))
 
-  def _WithRegularization(self, loss, grads, variables):
+  def _WithRegularization(self, loss: tf.Tensor, grads: list[tf.Tensor],
+                          variables: list[tf.Variable]) -> tuple[tf.Tensor, list[tf.Tensor]]:
     """loss and grads plus those of self.losses (the layers' weight regularizers, which
     Keras's compute_loss adds): they read only the weights, so a tape outside the
     pipeline gives their gradients exactly."""
@@ -372,12 +376,12 @@ class PipelineModel(keras.Model):
                                 unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return loss + extra, [g + e for g, e in zip(grads, extra_grads)]
 
-  def compute_output_spec(self, inputs, training=False):
+  def compute_output_spec(self, inputs, training=False) -> keras.KerasTensor:
     del training  # The shapes do not depend on it.
     return keras.KerasTensor((inputs.shape[0],) + self._output_shape,
                              dtype=_ComputeDType(self._layer_configs[-1]).name)
 
-  def summary(self, *args, print_fn=None, **kwargs):
+  def summary(self, *args, print_fn: Callable[[str], Any] | None = None, **kwargs) -> None:
     """Keras's summary, then which layers each stage (chunk) runs on which device."""
     super().summary(*args, print_fn=print_fn, **kwargs)
     if self._pipeline is None:
@@ -390,7 +394,7 @@ class PipelineModel(keras.Model):
     for line in lines:
       (print_fn or print)(line)
 
-  def get_config(self):
+  def get_config(self) -> dict[str, Any]:
     config = super().get_config()
     config.update(self._options, layers=list(self._layer_configs),
                   input_shape=None if self._input_shape is None else list(self._input_shape))

@@ -9,6 +9,7 @@ from absl import logging
 from lingvo_gpipe.distribution import cluster as cluster_lib
 from lingvo_gpipe.foundation import devices as devices_lib
 from lingvo_gpipe.foundation import errors
+from lingvo_gpipe.foundation import hyperparams
 from lingvo_gpipe.pipeline import pipeline_params
 
 
@@ -30,7 +31,7 @@ class DeviceSettings:
   num_cpu_devices: int | None = None
 
 
-def PlacePipelines(params, split_size, replicas):
+def PlacePipelines(params: hyperparams.Params, split_size: int | None, replicas: int) -> None:
   """Puts every pipeline of `params` that names no devices on splits of the available devices.
 
   Each gets `replicas` data-parallel replicas, replica r on split r of
@@ -65,8 +66,8 @@ def ConfigureDevices(settings: DeviceSettings, num_devices: int) -> None:
   logging.info('Devices: %s.', configured)
 
 
-def SetUpLocalDevices(model_params, settings: DeviceSettings, split_size: int | None,
-                      replicas: int) -> None:
+def SetUpLocalDevices(model_params: hyperparams.Params, settings: DeviceSettings,
+                      split_size: int | None, replicas: int) -> None:
   """Logical devices for the pipelines of a local run, and their replicas' placement:
   `replicas` of each pipeline on splits of `split_size` devices (None: its stages)."""
   try:

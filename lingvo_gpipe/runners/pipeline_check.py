@@ -18,7 +18,7 @@ that layer's largest value.
 """
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -46,7 +46,7 @@ def UnpipelinedParams(model_params: hyperparams.Params) -> hyperparams.Params:
   return plain
 
 
-def _Describe(model_params):
+def _Describe(model_params: hyperparams.Params) -> str:
   return '; '.join(
       f'{path}: K={pipeline_params.NumStages(p)}, M={p.num_micro_batches}, '
       f'{schedule_lib.Name(p.schedule)}, remat {p.remat}, remat policy {p.cell_remat_policy}, '
@@ -54,7 +54,7 @@ def _Describe(model_params):
       pipeline_params.Find(model_params.task, 'task')) or 'no pipeline in the params'
 
 
-def _LayerDifferences(pairs):
+def _LayerDifferences(pairs: list[tuple[tf.Variable, tf.Variable]]) -> dict[str, float]:
   """Layer path -> largest |a - b| over that layer's (a, b) variables / largest |b| there."""
   diffs, scales = {}, {}
   for a, b in pairs:
@@ -65,7 +65,7 @@ def _LayerDifferences(pairs):
   return {layer: diffs[layer] / max(scales[layer], 1e-12) for layer in diffs}
 
 
-def _Worst(differences):
+def _Worst(differences: dict[str, float]) -> tuple[float, str]:
   """(value, layer) of the largest difference, or (0.0, '-') if there is none."""
   return max(((v, k) for k, v in differences.items()), default=(0.0, '-'))
 
@@ -75,22 +75,22 @@ class Report:
   """What check_pipeline found; Text() is what the trainer prints."""
   pipelined: str
   start: str  # Where the weights came from.
-  losses: list  # (pipelined, unpipelined) per step.
+  losses: list[tuple[float, float]]  # (pipelined, unpipelined) per step.
   same_start: bool
-  weights: tuple  # (largest relative difference, layer).
-  statistics: tuple
+  weights: tuple[float, str]  # (largest relative difference, layer).
+  statistics: tuple[float, str]
   tolerance: float
 
   @property
-  def loss_difference(self):
+  def loss_difference(self) -> float:
     return max((abs(a - b) / max(abs(b), 1e-12) for a, b in self.losses), default=0.0)
 
   @property
-  def ok(self):
+  def ok(self) -> bool:
     return self.same_start and max(self.loss_difference, self.weights[0],
                                    self.statistics[0]) <= self.tolerance
 
-  def Text(self):
+  def Text(self) -> str:
     lines = [f'pipelined: {self.pipelined}',
              'unpipelined: every pipeline one stage on one device, gpipe, remat never, remat '
              'policy none, the same micro-batches',
@@ -106,7 +106,8 @@ class Report:
     return '\n'.join(lines)
 
 
-def _Build(model_params, checkpoint_dir):
+def _Build(model_params: hyperparams.Params,
+           checkpoint_dir: str | None) -> tuple[tf.Module, Callable, str | None]:
   """(task, its SGD training step, the checkpoint restored or None) of model params."""
   task = model_params.Instantiate().task
   restored = None

@@ -5,17 +5,21 @@ dispatch, which only choose where it runs (locally or as a cluster client)."""
 import dataclasses
 import os
 import time
+from typing import Any, Callable
 
 from absl import logging
 import tensorflow as tf
 
 from lingvo_gpipe.foundation import devices as devices_lib
 from lingvo_gpipe.foundation import errors
+from lingvo_gpipe.foundation import hyperparams
+from lingvo_gpipe.pipeline import gpipe
 from lingvo_gpipe.pipeline import pipeline_params
 from lingvo_gpipe.pipeline import schedule as schedule_lib
 from lingvo_gpipe.runners import base_runner
 from lingvo_gpipe.runners import jobs
 from lingvo_gpipe.training import learner as learner_lib
+from lingvo_gpipe.training import preemption
 from lingvo_gpipe.training import run_lock
 
 
@@ -32,7 +36,7 @@ class TrainSettings:
   pipeline_stats_every: int = 0
 
 
-def _Describe(pipe):
+def _Describe(pipe: gpipe.PipeliningLayer) -> str:
   """How a pipeline runs, in one line: its K, v and M come from several params."""
   p = pipe.params
   m = (f'M={p.num_micro_batches}' if p.micro_batch_size is None else
@@ -45,7 +49,7 @@ def _Describe(pipe):
           f'{schedule_lib.Name(p.schedule)}, remat {p.remat}; {stages}')
 
 
-def _CheckBuiltPipelines(task, batch_size):
+def _CheckBuiltPipelines(task: tf.Module, batch_size: int | None) -> None:
   """UserError if a pipeline the task built in code (its params hold none, so
   CheckPipelineBatches passed it) splits the training batch into empty micro-batches."""
   if batch_size is None:
@@ -57,7 +61,7 @@ def _CheckBuiltPipelines(task, batch_size):
       raise errors.UserError(str(e)) from None
 
 
-def _TracedWork(task, batch_size):
+def _TracedWork(task: tf.Module, batch_size: int | None) -> str:
   """What tracing a step of the task builds, e.g. 'K=8, M=64, zb_h1, 1,600 actions' per
   pipeline: each action is one call of a function traced once per chunk."""
   parts = []
@@ -70,7 +74,7 @@ def _TracedWork(task, batch_size):
   return '; '.join(parts) or 'no pipeline'
 
 
-def _PipelineNames(task):
+def _PipelineNames(task: tf.Module) -> tuple[dict[tuple[int, int], str], str]:
   """({(replica, stage): device name}, schedule label) of the task's pipeline, for trace
   tracks and logs; ({}, '') unless it has exactly one. The label is the configured
   schedule's (schedule.Name): the records do not show where the loss runs, so read off
@@ -84,7 +88,9 @@ def _PipelineNames(task):
           schedule_lib.Name(pipe.params.schedule))
 
 
-def _PipelineStats(task, learner, forward_backward_fn, train_dir, every):
+def _PipelineStats(task: tf.Module, learner: learner_lib.Learner,
+                   forward_backward_fn: Callable[[Any], tuple], train_dir: str,
+                   every: int) -> base_runner.PipelineStats | None:
   """base_runner.PipelineStats every `every` steps (--pipeline_stats_every), or None when it
   is 0."""
   if not every:
@@ -94,8 +100,9 @@ def _PipelineStats(task, learner, forward_backward_fn, train_dir, every):
                                    train_dir, device_names, schedule)
 
 
-def RunTrainer(model_params, logdir, train_settings: TrainSettings, input_device=None,
-               stop=None):
+def RunTrainer(model_params: hyperparams.Params, logdir: str, train_settings: TrainSettings,
+               input_device: str | None = None,
+               stop: preemption.StopOnSignals | None = None) -> None:
   """Trains to train.max_steps, resuming from the newest intact checkpoint of <logdir>/train.
 
   Args:
@@ -127,8 +134,9 @@ def RunTrainer(model_params, logdir, train_settings: TrainSettings, input_device
            train_settings.pipeline_stats_every)
 
 
-def _Train(model_params, settings, built, generator, logdir, input_device, stop,
-           pipeline_stats_every):
+def _Train(model_params: hyperparams.Params, settings: base_runner.LoopSettings, built: tuple,
+           generator: base_runner.InputGenerator, logdir: str, input_device: str | None,
+           stop: preemption.StopOnSignals | None, pipeline_stats_every: int) -> None:
   """RunTrainer's work, holding the lock of the train dir: `built` is jobs.Instantiate's."""
   task, global_step, learner, checkpointer = built
   train_dir = checkpointer.directory

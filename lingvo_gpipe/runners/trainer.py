@@ -55,6 +55,7 @@ from absl import logging
 from lingvo_gpipe.distribution import cluster as cluster_lib
 from lingvo_gpipe.foundation import devices as devices_lib
 from lingvo_gpipe.foundation import errors
+from lingvo_gpipe.foundation import hyperparams
 from lingvo_gpipe.foundation import memory_stats
 from lingvo_gpipe.insight import balance_plan
 from lingvo_gpipe.models import model_registry
@@ -183,7 +184,7 @@ flags.DEFINE_integer('pipeline_stats_every', 0,
 # -- flags -> configuration ------------------------------------------------------------
 
 
-def _CheckNumberFlags():
+def _CheckNumberFlags() -> None:
   """Raises UserError naming a number flag the command line set to NaN, an infinity or an
   integer beyond 64 bits: no timeout, tolerance or count means that."""
   for name in FLAGS:
@@ -196,7 +197,7 @@ def _CheckNumberFlags():
       raise errors.UserError(f'--{name}={flag.value} is beyond the 64-bit integer range.')
 
 
-def _CheckFlagsAtLeast(minimum, *names):
+def _CheckFlagsAtLeast(minimum: int, *names: str) -> None:
   """Raises UserError naming the first of the integer flags `names` below `minimum`."""
   for name in names:
     value = FLAGS[name].value
@@ -209,13 +210,13 @@ class ClusterConfig:
   """Which job and task this process is, in which cluster, and how pipelines use its devices."""
   job: str
   task: int
-  spec: dict
-  worker_split_size: int
+  spec: dict[str, list[str]]
+  worker_split_size: int | None
   worker_replicas: int
   timeout_secs: float
 
   @classmethod
-  def FromFlags(cls):
+  def FromFlags(cls) -> 'ClusterConfig':
     """From the flags; with no --cluster_spec, cluster jobs take TF_CONFIG's cluster and task."""
     spec, task, source = cluster_lib.ParseClusterSpec(FLAGS.cluster_spec), FLAGS.task, (
         '--cluster_spec')
@@ -259,7 +260,7 @@ class ClusterConfig:
 # -- jobs --------------------------------------------------------------------------------
 
 
-def RunWorker(cluster):
+def RunWorker(cluster: ClusterConfig) -> None:
   """Serves this process's devices as task cluster.task of the worker job, until killed."""
   if FLAGS.worker_memory_log_secs > 0:
     memory_stats.EnableStats()
@@ -271,7 +272,8 @@ def RunWorker(cluster):
   server.join()
 
 
-def RunClusterClient(model_params, cluster, dataset_name):
+def RunClusterClient(model_params: hyperparams.Params, cluster: ClusterConfig,
+                     dataset_name: str) -> None:
   """trainer_client or an evaler whose pipelines run on the cluster's workers.
 
   The job runs under a HealthMonitor: a worker that stops answering ends it
@@ -297,7 +299,7 @@ def RunClusterClient(model_params, cluster, dataset_name):
     cluster_lib.HealthMonitor(addresses, cluster.timeout_secs).Run(Job)
 
 
-def _RunElastic(cluster):
+def _RunElastic(cluster: ClusterConfig) -> None:
   """--elastic: the client in child processes on the workers that answer (elastic.py)."""
   if FLAGS.job != 'trainer_client' or FLAGS.mode != 'sync':
     raise errors.UserError(f'--elastic is for --job=trainer_client; got --job={FLAGS.job} '
@@ -318,7 +320,7 @@ def _RunElastic(cluster):
     sys.exit(code)
 
 
-def _ElasticCut(model_params):
+def _ElasticCut(model_params: hyperparams.Params) -> None:
   """--elastic's child: the pipelines cut onto --elastic_stages workers (elastic.Replan)."""
   try:
     plan = balance_plan.LoadPlan(FLAGS.balance_file) if FLAGS.balance_file else None
@@ -331,7 +333,7 @@ def _ElasticCut(model_params):
                '; '.join(cuts))
 
 
-def _CheckPipeline(model_params, cluster):
+def _CheckPipeline(model_params: hyperparams.Params, cluster: ClusterConfig) -> None:
   """--mode=check_pipeline: the report on stdout; UserError (exit 1) if it fails."""
   if cluster.spec:
     raise errors.UserError('--mode=check_pipeline runs in this process: drop '
@@ -346,7 +348,7 @@ def _CheckPipeline(model_params, cluster):
                                 f'than unpipelined (tolerance {FLAGS.check_tolerance:g}).')
 
 
-def _ListModels():
+def _ListModels() -> None:
   """Prints every registry key with the first line of its params class's docstring."""
   try:
     keys = model_registry.GetAllRegisteredKeys()
@@ -357,7 +359,7 @@ def _ListModels():
     sys.stdout.write(f'{key:<{width}}  {model_registry.GetDescription(key)}\n')
 
 
-def _Run():
+def _Run() -> None:
   _CheckNumberFlags()
   if FLAGS.pipeline_stats_every and (FLAGS.mode != 'sync' or
                                      FLAGS.job not in ('controller,trainer', 'trainer_client')):
@@ -434,34 +436,34 @@ def _Run():
     evaler.Run(model_params, FLAGS.logdir, dataset_name, _EvalSettings(), decode=_Decodes())
 
 
-def _Decodes():
+def _Decodes() -> bool:
   return FLAGS.job.startswith('decoder_')
 
 
-def _SetUpLocalDevices(model_params, cluster):
+def _SetUpLocalDevices(model_params: hyperparams.Params, cluster: ClusterConfig) -> None:
   local_devices.SetUpLocalDevices(model_params, _DeviceSettings(), cluster.worker_split_size,
                                   cluster.worker_replicas)
 
 
-def _DeviceSettings():
+def _DeviceSettings() -> local_devices.DeviceSettings:
   return local_devices.DeviceSettings(
       run_locally=FLAGS.run_locally, memory_growth=FLAGS.gpu_memory_growth,
       gpu_split_mb=FLAGS.gpu_split_mb, gpus=FLAGS.gpus, num_cpu_devices=FLAGS.num_cpu_devices)
 
 
-def _TrainSettings():
+def _TrainSettings() -> train_job.TrainSettings:
   return train_job.TrainSettings(steps_per_loop=FLAGS.steps_per_loop,
                                  checkpoint_max_to_keep=FLAGS.checkpoint_max_to_keep,
                                  pipeline_stats_every=FLAGS.pipeline_stats_every)
 
 
-def _EvalSettings():
+def _EvalSettings() -> evaler.EvalSettings:
   return evaler.EvalSettings(job=FLAGS.job, model=FLAGS.model, once=FLAGS.eval_once,
                              timeout_secs=FLAGS.eval_timeout_secs, batches=FLAGS.eval_batches,
                              max_steps_given=FLAGS.max_steps is not None)
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
   try:
     if len(argv) > 1:
       raise errors.UserError(f'unexpected argument(s) {" ".join(argv[1:])}: every '
@@ -484,7 +486,7 @@ def main(argv):
     sys.exit(elastic.NO_FIT if isinstance(e, elastic.NoFitError) else 1)
 
 
-def Main():
+def Main() -> None:
   """Console-script entry point."""
   binaries.Run(main)
 
