@@ -304,3 +304,12 @@ def testFromRegistryTakesTheBatchSizesGiven(tmp_path):
   with pytest.raises(errors.UserError, match='the Train batch size must be an int >= 1, '
                      'got 0'):
     estimator.Estimator.from_registry(_MODEL, _Config(tmp_path / 'n'), train_batch_size=0)
+
+
+def testRunConfigIsTheTrainersLoopUnderItsOwnNames(tmp_path):
+  config = estimator.RunConfig(model_dir=str(tmp_path), iterations_per_loop=7,
+                               save_checkpoints_steps=11, log_step_count_steps=13)
+  assert config.LoopSettings(50) == base_runner.LoopSettings(
+      max_steps=50, steps_per_loop=7, save_interval_steps=11, summary_interval_steps=13,
+      log_interval_steps=13)
+  assert config.LoopSettings(np.inf).max_steps == np.inf

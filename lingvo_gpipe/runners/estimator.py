@@ -71,6 +71,14 @@ class RunConfig:
     except ValueError as e:
       raise errors.UserError(str(e)) from None
 
+  def LoopSettings(self, max_steps: float) -> base_runner.LoopSettings:
+    """The host loop this config asks for (the trainer's, from train params), to max_steps."""
+    return base_runner.LoopSettings(
+        max_steps=max_steps, steps_per_loop=self.iterations_per_loop,
+        save_interval_steps=self.save_checkpoints_steps,
+        summary_interval_steps=self.log_step_count_steps,
+        log_interval_steps=self.log_step_count_steps)
+
 
 @dataclasses.dataclass
 class EstimatorSpec:
@@ -315,13 +323,8 @@ class Estimator:
     checkpointer.Recover()
     loop_fn = self._Function('train', dataset.element_spec, lambda: self._learner.BuildLoop(
         dataset.element_spec, self._ForwardBackward))
-    c = self._config
-    settings = base_runner.LoopSettings(
-        max_steps=target, steps_per_loop=c.iterations_per_loop,
-        save_interval_steps=c.save_checkpoints_steps,
-        summary_interval_steps=c.log_step_count_steps, log_interval_steps=c.log_step_count_steps)
     base_runner.RunTraining(loop_fn, iter(dataset), self._global_step, checkpointer,
-                            self._Writer(self.model_dir), settings,
+                            self._Writer(self.model_dir), self._config.LoopSettings(target),
                             base_runner.BatchSize(dataset.element_spec))
 
   def evaluate(self, input_fn: Callable[..., tf.data.Dataset],
