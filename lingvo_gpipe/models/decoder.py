@@ -180,33 +180,41 @@ def _NumSteps(problem):
   return tf.shape(problem.ids)[1] - tf.reduce_min(problem.start)
 
 
+def _State(ids, scores):
+  """A decode's loop state: the step, the ids so far (prompt and decode), the decoded tokens,
+  which rows (hypotheses) ended, their scores and decoded lengths."""
+  rows = tf.shape(ids)[0]
+  return py_utils.NestedMap(step=tf.constant(0), ids=ids, tokens=tf.zeros_like(ids),
+                            done=tf.zeros([rows], tf.bool), scores=scores,
+                            lengths=tf.zeros([rows], tf.int32))
+
+
 def _OneByOne(p, problem, log_probs_fn):
   """Greedy or sampled decoding: one id per row and step."""
   length = tf.shape(problem.ids)[1]
   choose = _Chooser(p)
-  rows = tf.shape(problem.ids)[0]
-  state = (tf.constant(0), problem.ids, tf.zeros_like(problem.ids), tf.zeros([rows], tf.bool),
-           tf.zeros([rows], tf.float32), tf.zeros([rows], tf.int32))
 
-  def Active(step, done):
-    return ~done & (problem.start + step < length)
+  def Active(s):
+    return ~s.done & (problem.start + s.step < length)
 
-  def Continue(step, ids, tokens, done, scores, lengths):
-    del ids, tokens, scores, lengths
-    return (step < _NumSteps(problem)) & tf.reduce_any(Active(step, done))
+  def Continue(s):
+    return (s.step < _NumSteps(problem)) & tf.reduce_any(Active(s))
 
-  def Body(step, ids, tokens, done, scores, lengths):
-    positions = tf.minimum(problem.start + step, length - 1)
-    log_probs = log_probs_fn(problem.context, ids, positions)
-    chosen = choose(step, log_probs)
-    active = Active(step, done)
-    ids, tokens = _Written(ids, tokens, positions, chosen, active)
+  def Body(s):
+    positions = tf.minimum(problem.start + s.step, length - 1)
+    log_probs = log_probs_fn(problem.context, s.ids, positions)
+    chosen = choose(s.step, log_probs)
+    active = Active(s)
+    ids, tokens = _Written(s.ids, s.tokens, positions, chosen, active)
     picked = tf.gather(log_probs, chosen, batch_dims=1)
-    return (step + 1, ids, tokens, done | (active & _Ends(p, chosen)),
-            scores + tf.where(active, picked, 0.0), lengths + tf.cast(active, tf.int32))
+    return py_utils.NestedMap(
+        step=s.step + 1, ids=ids, tokens=tokens, done=s.done | (active & _Ends(p, chosen)),
+        scores=s.scores + tf.where(active, picked, 0.0),
+        lengths=s.lengths + tf.cast(active, tf.int32))
 
-  _, _, tokens, _, scores, lengths = tf.while_loop(Continue, Body, state)
-  return py_utils.NestedMap(tokens=tokens, scores=scores, lengths=lengths)
+  initial = _State(problem.ids, tf.zeros([tf.shape(problem.ids)[0]], tf.float32))
+  final = tf.while_loop(Continue, lambda s: [Body(s)], [initial])[0]
+  return py_utils.NestedMap(tokens=final.tokens, scores=final.scores, lengths=final.lengths)
 
 
 def _Beams(x, k):
@@ -227,40 +235,40 @@ def _BeamSearch(p, problem, log_probs_fn):
   context = problem.context.Transform(lambda x: _Beams(x, k))
   # Only the first beam of a row is alive at first, so the k best start from it.
   first = tf.tile(tf.concat([[0.0], tf.fill([k - 1], _NEVER)], 0), [rows])
-  state = (tf.constant(0), _Beams(problem.ids, k), tf.zeros_like(_Beams(problem.ids, k)),
-           tf.zeros([rows * k], tf.bool), first, tf.zeros([rows * k], tf.int32))
 
-  def Frozen(step, done):
-    return done | (start + step >= length)
+  def Frozen(s):
+    return s.done | (start + s.step >= length)
 
-  def Continue(step, ids, tokens, done, scores, lengths):
-    del ids, tokens, scores, lengths
-    return (step < _NumSteps(problem)) & ~tf.reduce_all(Frozen(step, done))
+  def Continue(s):
+    return (s.step < _NumSteps(problem)) & ~tf.reduce_all(Frozen(s))
 
-  def Body(step, ids, tokens, done, scores, lengths):
-    positions = tf.minimum(start + step, length - 1)
-    log_probs = log_probs_fn(context, ids, positions)
+  def Body(s):
+    positions = tf.minimum(start + s.step, length - 1)
+    log_probs = log_probs_fn(context, s.ids, positions)
     vocab = tf.shape(log_probs)[-1]
-    frozen = Frozen(step, done)
+    frozen = Frozen(s)
     # A frozen hypothesis has one continuation, id 0 at no cost, which changes nothing.
     stay = tf.where(tf.range(vocab) == 0, 0.0, _NEVER)[tf.newaxis]
     log_probs = tf.where(frozen[:, tf.newaxis], stay, log_probs)
-    candidates = tf.reshape(scores[:, tf.newaxis] + log_probs, [rows, k * vocab])
+    candidates = tf.reshape(s.scores[:, tf.newaxis] + log_probs, [rows, k * vocab])
     best, index = tf.math.top_k(candidates, k)
     parent = tf.reshape(index // vocab + tf.range(rows)[:, tf.newaxis] * k, [-1])
     chosen = tf.reshape(index % vocab, [-1])
-    ids, tokens, done, lengths = (tf.gather(x, parent) for x in (ids, tokens, done, lengths))
+    ids, tokens, done, lengths = (tf.gather(x, parent)
+                                  for x in (s.ids, s.tokens, s.done, s.lengths))
     active = ~tf.gather(frozen, parent)
     ids, tokens = _Written(ids, tokens, positions, chosen, active)
-    return (step + 1, ids, tokens, done | (active & _Ends(p, chosen)), tf.reshape(best, [-1]),
-            lengths + tf.cast(active, tf.int32))
+    return py_utils.NestedMap(
+        step=s.step + 1, ids=ids, tokens=tokens, done=done | (active & _Ends(p, chosen)),
+        scores=tf.reshape(best, [-1]), lengths=lengths + tf.cast(active, tf.int32))
 
-  _, _, tokens, _, scores, lengths = tf.while_loop(Continue, Body, state)
-  penalty = ((5.0 + tf.cast(lengths, tf.float32)) / 6.0) ** p.length_penalty
-  pick = tf.argmax(tf.reshape(scores / penalty, [rows, k]), -1, output_type=tf.int32)
+  final = tf.while_loop(Continue, lambda s: [Body(s)], [_State(_Beams(problem.ids, k), first)])[0]
+  penalty = ((5.0 + tf.cast(final.lengths, tf.float32)) / 6.0) ** p.length_penalty
+  pick = tf.argmax(tf.reshape(final.scores / penalty, [rows, k]), -1, output_type=tf.int32)
   pick += tf.range(rows) * k
-  return py_utils.NestedMap(tokens=tf.gather(tokens, pick), scores=tf.gather(scores, pick),
-                            lengths=tf.gather(lengths, pick))
+  return py_utils.NestedMap(tokens=tf.gather(final.tokens, pick),
+                            scores=tf.gather(final.scores, pick),
+                            lengths=tf.gather(final.lengths, pick))
 
 
 # -- the decodes as data ----------------------------------------------------------
