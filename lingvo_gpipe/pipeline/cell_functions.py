@@ -76,7 +76,7 @@ def _MayBeEmpty(rows):
   return not (isinstance(rows, int) and rows > 0)
 
 
-def _Accumulate(total, theta, grads, rows):
+def _AddToSum(total, theta, grads, rows):
   """Adds a chunk's weight gradients of a micro-batch of `rows` rows to its GradientSum
   `total`; returns the add's token. An empty
   micro-batch adds zeros: its gradients are 0 but where a layer's statistics over no rows
@@ -192,7 +192,7 @@ class CellFunctions:
     return out, acts, stats
 
   def _Add(self, theta, d_theta, where, may_be_empty):
-    return _Accumulate(self.grad_sum, theta, d_theta, where[1] if may_be_empty else 1)
+    return _AddToSum(self.grad_sum, theta, d_theta, where[1] if may_be_empty else 1)
 
   def _Backward(self, theta, args, grads_in, where, step, training, clock, arg_grads,
                 may_be_empty):

@@ -3,8 +3,9 @@
 The Schedule (schedule.py) says which action each device runs when; its program is the
 list of instructions the executor (executor.py, replicas.py) emits, in that order:
 
-  F, B, W, BW   an action on its chunk's device (schedule_actions.py); W and BW add the
-                micro-batch's weight gradients to their chunk's sum (the accumulation);
+  F, B, W, BW   an action on its chunk's device (schedule_actions.py); W and BW (and a B
+                that takes the weight gradients itself) add the micro-batch's weight
+                gradients to their chunk's sum (the accumulation);
   L             a micro-batch's loss (or the whole batch's) and its gradient;
   SF(m, c)      send: F(m, c)'s output to chunk c+1, on another device;
   SB(m, c)      send: the input gradient of B(m, c) or BW(m, c) to chunk c-1, on another

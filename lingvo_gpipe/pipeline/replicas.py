@@ -57,8 +57,8 @@ class Replicas:
     repeats itself (a steady state, steady_state.Windows) runs as one loop.
 
     on_loss(pass, m) computes micro-batch m's loss, sets its output gradients
-    (SetMicroBatchOutputGradients) and returns its metrics; on_loss(None, ALL), for
-    a whole-batch L(*), those of every replica
+    (SetMicroBatchOutputGradients) and returns (its metrics, whether loss_fn returned a
+    NestedMap); on_loss(None, ALL), for a whole-batch L(*), those of every replica
     (SetOutputGradients); `losses` keeps what they return.
     """
     awaited = _FirstActions(instructions, self._layer.placement)

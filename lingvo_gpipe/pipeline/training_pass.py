@@ -39,6 +39,8 @@ def ForwardBackward(layer, theta, inputs, loss_fn, labels, with_outputs, loss_re
       loss_fn, loss_reduction, num * layer.num_replicas, rows, layer.params.batch_dim,
       schedule_lib.Name(layer.params.schedule))
 
+  label_parts = None  # Per replica, its labels and their micro-batches (set below).
+
   def OnLoss(one, m):
     if one is None:  # L(*): the whole batch's loss, once over every replica.
       outputs, acts = run.MergedOutputs()
@@ -59,8 +61,8 @@ def ForwardBackward(layer, theta, inputs, loss_fn, labels, with_outputs, loss_re
         layer, labels, num)
     run.Execute(prog.instructions, OnLoss)
   base_layer.ApplyRecordedUpdates(run.updates)
-  metrics = run.losses
-  merged = metrics_lib.MergeMetrics([m for m, _ in metrics])
+  losses = run.losses  # Per L: (its metrics, whether loss_fn returned a NestedMap).
+  merged = metrics_lib.MergeMetrics([metrics for metrics, _ in losses])
   # The backward differentiated value * weight (* loss_scale) of each call: divide by the
   # total weight (and the scale).
   weight = merged.loss[1]
@@ -69,7 +71,7 @@ def ForwardBackward(layer, theta, inputs, loss_fn, labels, with_outputs, loss_re
       before=theta.before if before_tape is None else _BeforeGradients(
           layer, theta, before_tape, args, run.MergedInputGradients()),
       cell=run.gradient_sums).Transform(lambda g: g * tf.cast(scale, g.dtype))
-  loss = merged if metrics[0][1] else merged.loss[0]
+  loss = merged if losses[0][1] else merged.loss[0]
   return (loss, grads, layer.Result(*run.MergedOutputs())) if with_outputs else (loss, grads)
 
 
