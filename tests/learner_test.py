@@ -28,6 +28,12 @@ def testGradientsAndVariablesSumsTiedWeightsAndSkipsFrozen():
   np.testing.assert_array_equal(pairs[1][0].numpy(), [5.0])
 
 
+def testGradientsThatDoNotMirrorThetaAreRefusedNotTruncated():
+  theta = py_utils.NestedMap(a=tf.Variable([1.0]), b=tf.Variable([2.0]))
+  with pytest.raises(ValueError, match='do not mirror theta'):
+    learner_lib.GradientsAndVariables(theta, py_utils.NestedMap(a=tf.constant([1.0])))
+
+
 def _SgdLearner(variables, clip=0.0, learning_rate=1.0):
   tp = base_model.TrainParams()
   tp.optimizer = optimizer.SGD.Params()

@@ -26,8 +26,14 @@ def GradientsAndVariables(theta: py_utils.NestedMap,
   """[(gradient, variable)] of the trainable variables of `theta`, one per variable.
 
   Non-trainable leaves are skipped. A variable tied across pipeline stages
-  appears in theta once per use; the gradients of its uses are summed.
+  appears in theta once per use; the gradients of its uses are summed. `grads` must mirror
+  theta: they are paired by position.
   """
+  try:
+    tf.nest.assert_same_structure(theta, grads)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f'The gradients do not mirror theta, so they cannot be paired with its '
+                     f'variables: {e}') from None
   pairs = {}
   for var, grad in zip(tf.nest.flatten(theta), tf.nest.flatten(grads)):
     if not (isinstance(var, tf.Variable) and var.trainable):
