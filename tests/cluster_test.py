@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -454,3 +455,22 @@ def testEachLocalWorkerUsesItsOwnGpuWhereThereAreGpus(tmp_path):
   command = local_cluster.LocalCluster(2, cpus=[1, 0], log_dir=str(tmp_path),
                                        num_gpus=1).Command(1)
   assert command[:3] == ['taskset', '-c', '0'] and command[-1] == '--gpus=0'
+
+
+@pytest.mark.slow
+def testADecoderJobOnTheClusterDecodesAsOneProcess(two_workers, tmp_path):
+  """--job=decoder_dev with --cluster_spec runs the LM's stages on the workers and writes
+  the decodes that the same job writes in one process."""
+  lm = 'lm.synthetic.GPipeTransformerLmTiny'
+  local, remote = tmp_path / 'local', tmp_path / 'remote'
+  _Ok(_StartTrainer(f'--model={lm}', f'--logdir={local}', '--max_steps=20'))
+  shutil.copytree(local, remote)
+  decoder = [f'--model={lm}', '--job=decoder_dev', '--eval_once']
+  _Ok(_StartTrainer(*decoder, f'--logdir={local}'))
+  err = _Ok(_StartTrainer(*decoder, f'--logdir={remote}',
+                          f'--cluster_spec={two_workers.spec_text}'))
+  assert 'Connected to 2 worker(s)' in err
+  decodes = [(d / 'decoder_dev' / 'decodes-20.txt').read_text() for d in (local, remote)]
+  assert decodes[0] == decodes[1] and len(decodes[0].splitlines()) > 1
+  rows = [line.split('\t') for line in decodes[0].splitlines()[1:]]
+  assert all(len(row) == 4 for row in rows) and any(row[2] for row in rows)
