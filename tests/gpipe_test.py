@@ -1166,6 +1166,41 @@ def testBatchOfUnknownSizeAtTraceTime(sched):
         assert _RelErr(serve(x), want) <= 1e-5
 
 
+class _FailsAtRunTime(base_layer.BaseLayer):
+  """An op that fails when the step runs, as a bad value deep in a model would."""
+
+  def FProp(self, theta, x):
+    tf.debugging.assert_less(tf.reduce_max(x), -1e9, message='the op that failed')
+    return x
+
+
+@pytest.mark.parametrize('sched', ['1f1b', 'zbv'])
+def testInlinedCellFunctionsAreExactAndRaiseTheFailingOpsOwnError(sched):
+  """With inline_cell_functions a traced step equals the plain model, and an op failing in
+  a chunk of the middle raises its own InvalidArgumentError (not the other devices'
+  cancelled receives)."""
+  pipe = _Pipe(4, 4, 'always', sched, inline_cell_functions=True)
+  x = _Input()
+  ref_loss, ref_grads = _ReferenceLossAndGrads(pipe, x)
+  loss, grads = tf.function(
+      lambda x: pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean'))(x)
+  assert _RelErr(loss, ref_loss) <= 1e-5
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+  _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
+
+  v = _V.get(sched, 1)
+  layer_params = [_Res.Params().Set(name=f'res{i}') for i in range(7)]
+  layer_params.insert(5, _FailsAtRunTime.Params().Set(name='fails'))
+  cells = gpipe.PartitionSequentialLayers(layer_params, 4 * v, tf.TensorShape([BATCH, DIM]),
+                                          cost='params')
+  failing = gpipe.PipeliningLayer.Params().Set(
+      name='failing', cell_tpl=cells, num_micro_batches=4, schedule=sched, virtual_stages=v,
+      inline_cell_functions=True).Instantiate()
+  with pytest.raises(tf.errors.InvalidArgumentError, match='the op that failed'):
+    tf.function(lambda x: failing.ForwardBackward(failing.theta, x, _Loss,
+                                                  loss_reduction='mean'))(x)
+
+
 def testBadCellsAndDevicesAreClearErrors():
   with pytest.raises(ValueError, match=r'cell_tpl must be a list of layer params, one per '
                      r'stage; got InstantiableParams'):

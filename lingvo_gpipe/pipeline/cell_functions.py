@@ -137,7 +137,8 @@ class CellFunctions:
   size and tracing would grow with K x M; a call's ops are traced once per chunk,
   whatever M (docs/benchmarks/2026-12-01-startup.md).
   `_noinline` stops TensorFlow from inlining the calls back before it optimizes
-  the graph. Where the micro-batch sits in the batch and the step are tensor
+  the graph (unless inline_cell_functions: an op failing inside a call that is not
+  inlined may reach the caller only as the other devices' cancelled receives). Where the micro-batch sits in the batch and the step are tensor
   arguments, so one trace serves every micro-batch; batch-norm statistics come
   back keyed by layer path, so no trace leaves state behind that another
   trace's calls would rely on. A backward adds the weight gradients to the
@@ -158,7 +159,8 @@ class CellFunctions:
     self._layer = layer
     self._chunk = chunk
     self._device = device
-    options = dict(autograph=False, experimental_attributes={'_noinline': True})
+    options = dict(autograph=False, experimental_attributes={
+        '_noinline': not layer.params.inline_cell_functions})
     jit = dict(options, jit_compile=layer.params.jit_compile)
 
     def Function(method, **kwargs):  # Named e.g. chunk1_InputGrad in graphs and traces.

@@ -13,20 +13,18 @@ into M micro-batches. One micro-batch's path through a training step:
   4. backward: chunk c re-runs its forward on the kept input under a local tape
      and takes the gradients of its input (B) and weights (W), fused (BW) or
      split so that W can fill the pipeline's bubbles;
-  5. accumulation: each weight gradient is added in place to the chunk's
-     running sum (cell_functions.GradientSum) as soon as the backward makes it, so
-     beside the sum about one layer's fresh gradient exists, not a second sum;
+  5. accumulation: each weight gradient is added in place to the chunk's running sum
+     (cell_functions.GradientSum) as the backward makes it: no second sum ever exists;
   6. reassembly: outputs and input gradients are concatenated back.
 
 Which action runs when is data (schedule.py: print(pipe.GetSchedule(batch)));
 training_pass.py runs a pass of it, the executor (executor.py, replicas.py) its actions in
-that order. With `num_replicas` R, R copies
-of the pass each take 1/R of the batch and their weight gradients are summed.
+that order. With `num_replicas` R, R copies of the pass each take 1/R of the batch and
+their weight gradients are summed.
 
-The backward pass is written out rather than left to the tape because the
-tape sums a weight's M gradients only once all exist (the peak grows with M);
-re-materialization is therefore an explicit recompute-then-differentiate of
-each chunk, the same idea as tf.recompute_grad with the accumulation in our hands.
+The backward pass is written out rather than left to the tape because the tape sums a
+weight's M gradients only once all exist (the peak grows with M): re-materialization is an
+explicit recompute-then-differentiate of each chunk, the accumulation in our hands.
 """
 
 from typing import Any, Callable, Optional, Sequence
@@ -141,9 +139,12 @@ class PipeliningLayer(base_layer.BaseLayer):
              "Run a traced schedule's steady state (its stretch that repeats for micro-batch "
              'after micro-batch: lingvo_gpipe/pipeline/steady_state.py) as one tf.while_loop, '
              'so that tracing and graph optimization do not grow with M (the actions and their '
-             "order stay the schedule's). It starts faster and steps slower "
-             '(docs/benchmarks/2026-12-02-startup.md): for short runs and large M. Needs equal '
-             "micro-batches; forwards kept on a tape (remat 'never') stay unrolled.")
+             "order stay the schedule's). It starts faster and steps slower: for short runs "
+             "and large M. Needs equal micro-batches; remat 'never' forwards stay unrolled.")
+    p.Define('inline_cell_functions', False,
+             "Inline each action's call of its chunk's function. Off, start-up stays small at "
+             "large K x M, but an op failing in a chunk may surface only as CancelledError "
+             "('RecvAsync is cancelled'); on, its own error is raised.")
     p.Define('jit_compile', False,
              "Compile each cell's forward and backward step with XLA (placement and the "
              "pipeline between the steps stay outside the compiled functions); needs remat="
