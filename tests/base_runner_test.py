@@ -3,6 +3,7 @@
 import pytest
 import tensorflow as tf
 
+from lingvo_gpipe.foundation import errors
 from lingvo_gpipe.runners import base_runner
 
 
@@ -18,6 +19,6 @@ def testACancelledStepSaysHowToSeeTheFailingOpsError():
     base_runner.RunTraining(LoopFn, iter([]), step, None, None,
                             base_runner.LoopSettings(max_steps=3), None)
   message = raised.value.message
-  assert message.startswith(base_runner.CANCELLED_STEP_HINT)
+  assert message.startswith(errors.CANCELLED_STEP_HINT)
   assert 'inline_cell_functions : True' in message
   assert message.endswith('RecvAsync is cancelled.')

@@ -49,6 +49,25 @@ def testVariablesAreThetaNamedByPathAndTrainLikePlainMath():
   np.testing.assert_array_equal(dense0.get_weights()[0], v['pipe/dense0/kernel:0'].numpy())
 
 
+@keras.saving.register_keras_serializable(package='keras_layer_test')
+class _Doubles(keras.layers.Layer):
+  """A class named with a leading '_': Keras names the layer '_doubles'."""
+
+  def call(self, x):
+    return 2.0 * x
+
+
+def testALayerWhoseNameStartsWithAnUnderscoreRunsInATracedStep():
+  """Keras opens a scope named after the layer; at the root of a chunk's function, '_doubles'
+  is no valid TensorFlow scope name."""
+  params, _ = keras_layer.ParamsFromKerasLayers([keras.layers.Dense(3), _Doubles()], [5])
+  pipe = _Pipe(params, num_stages=2, num_micro_batches=2)
+  x = _Input([8, 5])
+  v = {var.name: var for var in pipe.trainable_variables}
+  want = 2.0 * (x @ v['pipe/dense0/kernel:0'] + v['pipe/dense0/bias:0'])
+  np.testing.assert_allclose(tf.function(pipe)(x).numpy(), want.numpy(), rtol=1e-6)
+
+
 def testInitialValuesDependOnThePathOnly():
   try:
     keras.utils.set_random_seed(1)

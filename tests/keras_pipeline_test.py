@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from lingvo_gpipe.foundation import errors
 from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.pipeline import named_schedules
 from lingvo_gpipe.runners import keras_pipeline
@@ -662,3 +663,32 @@ def testABalanceCutsTheLayersAndTheSummaryShowsWhereEachRuns():
     with pytest.raises(ValueError, match='balance|not both'):
       keras_pipeline.PipelineModel(_Layers(), num_stages=2, balance=balance, cost=cost,
                                    input_shape=(12,))
+
+
+@keras.saving.register_keras_serializable(package='keras_pipeline_test')
+class FailsAtRunTime(keras.layers.Layer):
+  """An op that fails when the step runs, as a bad value deep in a model would."""
+
+  def call(self, x):
+    tf.debugging.assert_less(tf.reduce_max(x), -1e9, message='the op that failed')
+    return x
+
+
+def testAnOpFailingInAChunkIsRaisedOrExplained():
+  """fit() of a layer failing at run time in a middle chunk: with inline_cell_functions its
+  own error; without, TensorFlow may say only CancelledError, which then says how to see it."""
+  x, y = np.ones((16, 8), np.float32), np.ones((16, 1), np.float32)
+  for inline in (True, False):
+    layers = [keras.Input((8,))] + [keras.layers.Dense(8) for _ in range(5)] + [
+        FailsAtRunTime(), keras.layers.Dense(8), keras.layers.Dense(1)]
+    pipe = keras_pipeline.PipelineModel(keras.Sequential(layers), num_stages=4,
+                                        num_micro_batches=4, schedule='1f1b',
+                                        inline_cell_functions=inline)
+    pipe.compile(optimizer='sgd', loss='mse')
+    with pytest.raises((tf.errors.InvalidArgumentError, tf.errors.CancelledError)) as raised:
+      pipe.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    if inline or isinstance(raised.value, tf.errors.InvalidArgumentError):
+      assert isinstance(raised.value, tf.errors.InvalidArgumentError), raised.value
+      assert 'the op that failed' in raised.value.message
+    else:
+      assert raised.value.message.startswith(errors.CANCELLED_STEP_HINT)

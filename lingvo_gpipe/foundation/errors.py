@@ -1,5 +1,5 @@
-"""The error of a mistake the user can fix, which every layer of the library may raise, and
-the context that turns a failed write into one.
+"""The error of a mistake the user can fix, which every layer of the library may raise, the
+context that turns a failed write into one, and the one that explains a cancelled step.
 
 Importing it does not import TensorFlow: a binary imports it before binaries.QuietTensorFlow,
 which must run before TensorFlow loads.
@@ -28,3 +28,23 @@ def Writing(what):
     reason = str(getattr(e, 'strerror', None) or getattr(e, 'message', None) or e)
     reason = re.sub(r'\{\{function_node [^}]*\}\}|\[Op:\w+\]', '', reason)  # TensorFlow's.
     raise UserError(f'Cannot write {what}: {" ".join(reason.split())}') from None
+
+
+CANCELLED_STEP_HINT = (
+    'A pipelined step was cancelled on some device: where an op failed inside a chunk, '
+    "TensorFlow may report only this. To see that op's own error, rerun with the pipeline's "
+    "inline_cell_functions=True (the trainer: --model_params_override='task.stack."
+    "inline_cell_functions : True'; Keras: PipelineModel(..., inline_cell_functions=True)), "
+    "or TF_CPP_MIN_LOG_LEVEL=1 (TensorFlow's log shows it as 'Local rendezvous is aborting "
+    "with status: ...'). TensorFlow said: ")
+
+
+@contextlib.contextmanager
+def ExplainingCancelledSteps():
+  """Re-raises a step's CancelledError with CANCELLED_STEP_HINT: TensorFlow reports an op
+  failing in a chunk's out-of-line function as the other devices' cancelled receives."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top,import-outside-toplevel
+  try:
+    yield
+  except tf.errors.CancelledError as e:
+    raise tf.errors.CancelledError(e.node_def, e.op, CANCELLED_STEP_HINT + e.message) from e

@@ -227,7 +227,10 @@ class KerasLayer(base_layer.BaseLayer):
     step = self.TrainingStep() if random_state else None
     mapping = [(v, self._SeedState(i, step) if random_state and v.name == _SEED_STATE_NAME
                 else theta[name]) for i, (name, v) in enumerate(self._state)]
-    with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+    # Below a scope of ours: Keras names its scope after the layer, and at a function's root
+    # a name such as '_odd' (a class _Odd) is not a valid TensorFlow scope.
+    with tf.name_scope('keras'), keras.StatelessScope(state_mapping=mapping,
+                                                      collect_losses=True) as scope:
       before = [scope.get_current_value(v) for _, v in self._state]
       if isinstance(layer, _CONVOLUTIONS):
         out = _OnAtLeastOneRow(lambda x: layer(x, training=training), inputs)

@@ -187,16 +187,6 @@ def _Crossed(before: int, after: int, interval: int) -> bool:
   return interval > 0 and after // interval > before // interval
 
 
-# Where a step fails as other devices' cancelled receives, TensorFlow lost the failing op's
-# error (one raised in a chunk's function, not inlined); this says how to see it.
-CANCELLED_STEP_HINT = (
-    'A pipelined step was cancelled on some device: where an op failed inside a chunk, '
-    "TensorFlow may report only this. To see that op's own error, rerun with the pipeline's "
-    "inline_cell_functions : True (e.g. --model_params_override='task.stack."
-    "inline_cell_functions : True'), or TF_CPP_MIN_LOG_LEVEL=1 (TensorFlow's log shows it as "
-    "'Local rendezvous is aborting with status: ...'). TensorFlow said: ")
-
-
 @dataclasses.dataclass(frozen=True)
 class LoopSettings:
   """How often the host loop does what, in steps (max_steps may be math.inf: no end)."""
@@ -353,16 +343,15 @@ def RunTraining(loop_fn: Callable[..., py_utils.NestedMap], iterator: Iterator,
       num_steps = min(num_steps, pipeline_stats.every - (step + 1) % pipeline_stats.every)
     start = time.time()
     try:
-      if measure:
-        out, timeline = pipeline_stats.step_fn(iterator)
-      else:
-        out = loop_fn(iterator, tf.constant(num_steps, tf.int64))
+      with errors.ExplainingCancelledSteps():
+        if measure:
+          out, timeline = pipeline_stats.step_fn(iterator)
+        else:
+          out = loop_fn(iterator, tf.constant(num_steps, tf.int64))
     except tf.errors.OutOfRangeError:
       step = int(global_step.numpy())
       logging.info('The input ended at step %d.', step)
       break
-    except tf.errors.CancelledError as e:
-      raise tf.errors.CancelledError(e.node_def, e.op, CANCELLED_STEP_HINT + e.message) from e
     seconds = time.time() - start
     new_step = int(global_step.numpy())
     _LogSkips(out, step, new_step)

@@ -56,6 +56,7 @@ from keras.src import backend as keras_backend  # AutocastScope: no public name.
 import numpy as np
 import tensorflow as tf
 
+from lingvo_gpipe.foundation import errors
 from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.layers import keras_layer
 from lingvo_gpipe.pipeline import gpipe
@@ -142,6 +143,8 @@ class PipelineModel(keras.Model):
       counts that sum to the layers.
     jit_compile: compile each cell's forward and backward step with XLA (a whole
       train step cannot be: it spans the stages' devices); needs remat='always'.
+    inline_cell_functions: the PipeliningLayer param: an op failing in a chunk
+      raises its own error, not only CancelledError (docs/pipeline.md).
     input_shape: one example's input shape, if `layers` does not give it; else
       the model is built on its first call.
     **kwargs: keras.Model arguments (name, dtype, trainable).
@@ -151,7 +154,8 @@ class PipelineModel(keras.Model):
                schedule: str = 'gpipe', virtual_stages: int = 1, remat: str = 'always',
                devices: Sequence[str] | None = None, allow_device_reuse: bool = False,
                cost='auto', balance: Sequence[int] | None = None, jit_compile: bool = False,
-               input_shape: Sequence[int | None] | None = None, **kwargs):
+               input_shape: Sequence[int | None] | None = None,
+               inline_cell_functions: bool = False, **kwargs):
     super().__init__(**kwargs)
     # XLA compiles one device's work and a train step spans the stages' devices: Keras
     # then warns of and ignores compile(jit_compile=True); see jit_compile above.
@@ -174,7 +178,8 @@ class PipelineModel(keras.Model):
     self._options = dict(num_stages=num_stages, num_micro_batches=num_micro_batches,
                          schedule=schedule, virtual_stages=virtual_stages, remat=remat,
                          devices=devices, allow_device_reuse=allow_device_reuse, cost=cost,
-                         balance=balance, jit_compile=jit_compile)
+                         balance=balance, jit_compile=jit_compile,
+                         inline_cell_functions=inline_cell_functions)
     self._pipeline = None
     self._output_shape = None
     if input_shape is not None:
@@ -229,6 +234,7 @@ class PipelineModel(keras.Model):
           schedule=opts['schedule'], virtual_stages=opts['virtual_stages'],
           remat=opts['remat'], devices=opts['devices'],
           allow_device_reuse=opts['allow_device_reuse'], jit_compile=opts['jit_compile'],
+          inline_cell_functions=opts['inline_cell_functions'],
           dtype=tf.as_dtype(self.variable_dtype), fprop_dtype=tf.as_dtype(self.compute_dtype))
       self._pipeline = p.Instantiate()
     self._input_shape = shape
@@ -263,6 +269,24 @@ class PipelineModel(keras.Model):
                 else contextlib.nullcontext())
     with py_utils.Context(training=training, step=step), autocast:
       return self._pipeline.FProp(self._pipeline.theta, inputs)
+
+  def fit(self, *args, **kwargs):
+    """keras.Model.fit; a cancelled step says how to see the error of an op that failed
+    in a chunk (errors.ExplainingCancelledSteps)."""
+    with errors.ExplainingCancelledSteps():
+      return super().fit(*args, **kwargs)
+
+  def evaluate(self, *args, **kwargs):
+    """keras.Model.evaluate; a cancelled step says how to see the error of an op that failed
+    in a chunk (errors.ExplainingCancelledSteps)."""
+    with errors.ExplainingCancelledSteps():
+      return super().evaluate(*args, **kwargs)
+
+  def predict(self, *args, **kwargs):
+    """keras.Model.predict; a cancelled step says how to see the error of an op that failed
+    in a chunk (errors.ExplainingCancelledSteps)."""
+    with errors.ExplainingCancelledSteps():
+      return super().predict(*args, **kwargs)
 
   def train_step(self, data) -> dict[str, Any]:
     """One step of the schedule (module doc): ForwardBackward with compile()'s loss,
