@@ -1,4 +1,4 @@
-"""Tests of lingvo_gpipe.runners.base_runner's host loop (the trainer and Estimator run it)."""
+"""Tests of lingvo_gpipe.runners.base_runner's host loops of training and evaluation."""
 
 import pytest
 import tensorflow as tf
@@ -22,3 +22,12 @@ def testACancelledStepSaysHowToSeeTheFailingOpsError():
   assert message.startswith(errors.CANCELLED_STEP_HINT)
   assert 'inline_cell_functions : True' in message
   assert message.endswith('RecvAsync is cancelled.')
+
+
+def testACancelledEvaluationStepSaysHowToSeeTheFailingOpsError():
+  def EvalFn(batch):
+    del batch
+    raise tf.errors.CancelledError(None, None, 'RecvAsync is cancelled.')
+
+  with pytest.raises(tf.errors.CancelledError, match='inline_cell_functions'):
+    base_runner.Evaluate(EvalFn, tf.data.Dataset.range(2), None)

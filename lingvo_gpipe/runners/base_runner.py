@@ -420,7 +420,9 @@ def Evaluate(eval_fn: Callable[[Any], py_utils.NestedMap], dataset: tf.data.Data
   sums, weights, count = {}, {}, 0
   start = last = time.monotonic()
   for batch in dataset:
-    for name, (value, weight) in eval_fn(batch).items():
+    with errors.ExplainingCancelledSteps():
+      metrics = eval_fn(batch)
+    for name, (value, weight) in metrics.items():
       sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
       weights[name] = weights.get(name, 0.0) + float(weight)
     count += 1
