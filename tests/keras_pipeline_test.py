@@ -610,15 +610,16 @@ def testMistakesOutsideGpipeAreOneLineErrors():
 
 def _ConvLayers():
   return [keras.layers.Conv2D(8, 3, activation='relu'),
-          keras.layers.DepthwiseConv2D(3, activation='relu'),
-          keras.layers.SeparableConv2D(8, 2, activation='tanh'), keras.layers.Flatten(),
+          keras.layers.DepthwiseConv2D(3, activation='relu'), keras.layers.MaxPooling2D(2),
+          keras.layers.SeparableConv2D(8, 2, activation='tanh'),
+          keras.layers.AveragePooling2D(2, strides=1, padding='same'), keras.layers.Flatten(),
           keras.layers.Dense(4)]
 
 
 @pytest.mark.parametrize('sched', ['gpipe', '1f1b'])
 def testACnnWithBatchesSmallerThanMTrainsAndPredictsLikeSequential(sched, tmp_path):
-  """Convolutions of an empty micro-batch (TensorFlow's CPU kernels returned their input on
-  no rows): a CNN at K=4, M=8 fits 22 examples in batches of 16 and 6, and predicts (and its
+  """Convolutions and pooling of an empty micro-batch (TensorFlow's CPU kernels returned their
+  input on no rows; its max-pooling gradient aborted the process): a CNN at K=4, M=8 fits 22 examples in batches of 16 and 6, and predicts (and its
   export serves) 5 and 1 rows, as the Sequential does."""
   keras.utils.set_random_seed(5)
   try:

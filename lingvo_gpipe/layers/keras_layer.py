@@ -232,7 +232,7 @@ class KerasLayer(base_layer.BaseLayer):
     with tf.name_scope('keras'), keras.StatelessScope(state_mapping=mapping,
                                                       collect_losses=True) as scope:
       before = [scope.get_current_value(v) for _, v in self._state]
-      if isinstance(layer, _CONVOLUTIONS):
+      if isinstance(layer, _NEED_A_ROW):
         out = _OnAtLeastOneRow(lambda x: layer(x, training=training), inputs)
       else:
         out = layer(inputs, training=training)
@@ -329,11 +329,16 @@ class KerasLayer(base_layer.BaseLayer):
     return py_utils.NestedMap(flops=flops, out_shapes=outs)
 
 
-# TensorFlow 2.21's CPU convolutions return their input unchanged on a batch of no rows
-# (tf.nn.conv2d of [0, 8, 8, 3] is [0, 8, 8, 3]), and an empty micro-batch is one.
-_CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
-                 keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D,
-                 keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)
+# Layers TensorFlow 2.21's CPU kernels get wrong on a batch of no rows, which an empty
+# micro-batch is: convolutions return their input unchanged (tf.nn.conv2d of [0, 8, 8, 3] is
+# [0, 8, 8, 3]), and oneDNN's max-pooling gradient aborts the process ("Check failed: dtype()
+# == expected_dtype"). They run on at least one row.
+_NEED_A_ROW = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
+               keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D,
+               keras.layers.SeparableConv1D, keras.layers.SeparableConv2D,
+               keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D,
+               keras.layers.AveragePooling1D, keras.layers.AveragePooling2D,
+               keras.layers.AveragePooling3D)
 
 
 def _OnAtLeastOneRow(fn, x):
