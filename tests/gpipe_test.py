@@ -12,6 +12,7 @@ from lingvo_gpipe import layers
 from lingvo_gpipe.foundation import base_layer
 from lingvo_gpipe.foundation import memory_stats
 from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.layers import conv
 from lingvo_gpipe.layers import profiler
 from lingvo_gpipe.pipeline import cell_functions
 from lingvo_gpipe.pipeline import gpipe
@@ -1122,6 +1123,31 @@ def testABatchSmallerThanMTrainsExactly(sched, batch, remat):
   (1, 1, 0, 0 and 1, 0, 0, 0) and 1 row."""
   loss_fn, rows, replicas = _SMALL_BATCHES[batch]
   _AssertUnevenExact(_UnevenPipe(sched, remat, num_replicas=replicas), _Input()[:rows], loss_fn)
+
+
+@pytest.mark.parametrize('sched', ['gpipe', '1f1b'])
+def testACnnOfABatchSmallerThanMTrainsExactly(sched):
+  """Convolutions and max pooling on an empty micro-batch (3 rows, M=4): TensorFlow's CPU
+  convolution returned its input on no rows, and its max-pooling gradient aborted."""
+  cnn = [conv.Conv2DLayer.Params().Set(name='conv0', filter_shape=[3, 3, 3, 4], padding='VALID'),
+         conv.PoolingLayer.Params().Set(name='pool'),
+         conv.Conv2DLayer.Params().Set(name='conv1', filter_shape=[3, 3, 4, 4], padding='VALID'),
+         conv.GlobalPoolingLayer.Params().Set(name='mean')]
+  pipe = gpipe.PipeliningLayer.Params().Set(
+      name='pipe', cell_tpl=gpipe.CellsFromEnds(cnn, [2, 4]), num_micro_batches=4,
+      schedule=sched).Instantiate()
+  x = tf.random.stateless_normal([3, 10, 10, 3], [4, 5])
+  with tf.GradientTape() as tape:
+    y = x
+    for cell, th in zip(pipe.cell, pipe.theta.cell):
+      y = cell.FProp(th, y)
+    ref_loss = _Loss(y)
+  ref_grads = tape.gradient(ref_loss, pipe.trainable_variables)
+  loss, grads = tf.function(
+      lambda x: pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean'))(x)
+  assert _RelErr(loss, ref_loss) <= 1e-5
+  by_name = {v.name: g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+  _AssertGradsClose([by_name[v.name] for v in pipe.trainable_variables], ref_grads)
 
 
 @pytest.mark.parametrize('sched', ['gpipe', 'zb_h1'])

@@ -40,7 +40,9 @@ class Conv2DLayer(base_layer.BaseLayer):
     p = self.params
     theta = self.ToFPropDtype(theta)
     x = self.ToFPropDtype(inputs)
-    y = tf.nn.conv2d(x, theta.w, strides=[1, *p.filter_stride, 1], padding=p.padding)
+    y = layer_utils.OnAtLeastOneRow(
+        lambda x: tf.nn.conv2d(x, theta.w, strides=[1, *p.filter_stride, 1],
+                               padding=p.padding), x)
     return layer_utils.BiasAndActivation(y, theta, p)
 
   @classmethod
@@ -76,8 +78,9 @@ class PoolingLayer(base_layer.BaseLayer):
     """[B, H, W, C] -> [B, H', W', C]."""
     del theta  # No variables.
     p = self.params
-    return tf.nn.pool(self.ToFPropDtype(inputs), p.window_shape, p.pooling_type,
-                      strides=p.window_stride, padding=p.padding)
+    return layer_utils.OnAtLeastOneRow(
+        lambda x: tf.nn.pool(x, p.window_shape, p.pooling_type, strides=p.window_stride,
+                             padding=p.padding), self.ToFPropDtype(inputs))
 
   @classmethod
   def FPropMeta(cls, params, input_shape):

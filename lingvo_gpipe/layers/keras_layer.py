@@ -49,6 +49,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.foundation import base_layer
 from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.layers import layer_utils
 
 # Keras's SeedGenerator names its state variable so (keras.random.SeedGenerator).
 _SEED_STATE_NAME = 'seed_generator_state'
@@ -233,7 +234,7 @@ class KerasLayer(base_layer.BaseLayer):
                                                       collect_losses=True) as scope:
       before = [scope.get_current_value(v) for _, v in self._state]
       if isinstance(layer, _NEED_A_ROW):
-        out = _OnAtLeastOneRow(lambda x: layer(x, training=training), inputs)
+        out = layer_utils.OnAtLeastOneRow(lambda x: layer(x, training=training), inputs)
       else:
         out = layer(inputs, training=training)
     if scope.losses:
@@ -329,27 +330,13 @@ class KerasLayer(base_layer.BaseLayer):
     return py_utils.NestedMap(flops=flops, out_shapes=outs)
 
 
-# Layers TensorFlow 2.21's CPU kernels get wrong on a batch of no rows, which an empty
-# micro-batch is: convolutions return their input unchanged (tf.nn.conv2d of [0, 8, 8, 3] is
-# [0, 8, 8, 3]), and oneDNN's max-pooling gradient aborts the process ("Check failed: dtype()
-# == expected_dtype"). They run on at least one row.
+# Layers whose TensorFlow CPU kernels fail on a batch of no rows (layer_utils.OnAtLeastOneRow).
 _NEED_A_ROW = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
                keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D,
                keras.layers.SeparableConv1D, keras.layers.SeparableConv2D,
                keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D,
                keras.layers.AveragePooling1D, keras.layers.AveragePooling2D,
                keras.layers.AveragePooling3D)
-
-
-def _OnAtLeastOneRow(fn, x):
-  """fn(x) for a batch x that may have no rows: a zero row is appended where it has none, and
-  its output dropped (no control flow; a batch with rows gains none). A concat, not tf.pad:
-  Grappler folds a pad into the convolution, which then sees no rows again."""
-  if isinstance(x.shape[0], int) and x.shape[0] > 0:
-    return fn(x)
-  rows = tf.shape(x)[0]
-  extra = tf.zeros(tf.concat([[tf.maximum(1 - rows, 0)], tf.shape(x)[1:]], 0), x.dtype)
-  return fn(tf.concat([x, extra], 0))[:rows]
 
 
 def _LayerName(config, index):

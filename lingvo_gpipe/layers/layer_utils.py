@@ -146,3 +146,17 @@ def WindowOutputShape(input_shape, window, stride, padding, depth):
                          WindowOutputSize(height, window[0], stride[0], padding),
                          WindowOutputSize(width, window[1], stride[1], padding),
                          depth])
+
+
+def OnAtLeastOneRow(fn, x):
+  """fn(x) for a batch x that may have no rows, as an empty micro-batch has: a zero row is
+  appended where it has none, and its output dropped (no control flow; a batch with rows
+  gains none). TensorFlow 2.21's CPU convolutions return their input unchanged on no rows
+  (tf.nn.conv2d of [0, 8, 8, 3] is [0, 8, 8, 3]) and oneDNN's max-pooling gradient aborts
+  the process ("Check failed: dtype() == expected_dtype"). A concat, not tf.pad: Grappler
+  folds a pad into the convolution, which then sees no rows again."""
+  if isinstance(x.shape[0], int) and x.shape[0] > 0:
+    return fn(x)
+  rows = tf.shape(x)[0]
+  extra = tf.zeros(tf.concat([[tf.maximum(1 - rows, 0)], tf.shape(x)[1:]], 0), x.dtype)
+  return fn(tf.concat([x, extra], 0))[:rows]
