@@ -315,6 +315,14 @@ def testDefaultDevicesCountAPipelinesOwnReplicas(tmp_path):
 def testHelpExitsZero():
   code, out, err = _Run('--help', model=None)
   assert code == 0 and '--model_params_override' in out, err[-3000:]
+  # --helpshort lists the trainer's own flags, also where the README's import path runs the
+  # shim lingvo_gpipe/trainer.py (absl lists the flags of the file run).
+  proc = subprocess.run([sys.executable, '-m', 'lingvo_gpipe.trainer', '--helpshort'],
+                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2'), capture_output=True,
+                        text=True, check=False)
+  out = proc.stdout
+  assert proc.returncode == 0 and '--model_params_override' in out and '--logdir' in out, out
+  assert out.startswith('The trainer binary: trains') and '--log_dir' not in out
 
 
 def testInspectParamsAppliesOverrides():

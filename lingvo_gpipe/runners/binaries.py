@@ -84,5 +84,9 @@ def _ParseFlags(argv: list[str]) -> list[str]:
 
 
 def Run(main: Callable[[list[str]], Any]) -> None:
-  """absl.app.run(main) with the help flags exiting 0."""
+  """absl.app.run(main) with the help flags exiting 0; --helpshort lists the flags of main's
+  module also where another file runs it (`python -m lingvo_gpipe.trainer`, a console script):
+  absl lists those of the file run."""
+  for flag in flags.FLAGS.get_key_flags_for_module(main.__module__):
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
   app.run(main, flags_parser=_ParseFlags)

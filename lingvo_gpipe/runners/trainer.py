@@ -1,4 +1,4 @@
-"""The trainer binary: trains and evaluates a registered experiment.
+r"""The trainer binary: trains and evaluates a registered experiment.
 
   python -m lingvo_gpipe.trainer --model=lm.synthetic.GPipeTransformerLmTiny \
       --logdir=/tmp/lm --run_locally=cpu
