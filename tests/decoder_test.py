@@ -173,6 +173,16 @@ def testGreedyMtEqualsAReferenceLoop():
   assert not out['start'].any()  # From bos on.
 
 
+def testAnExampleOfATranslationShowsItsSourceAsThePrompt():
+  task = _Mt()
+  batch = _Batch(task)
+  examples = decoder.Examples(_Numpy(decoder.Decode(task, task.theta, batch)))
+  src = batch.src
+  for b, (prompt, _, _) in enumerate(examples):
+    want = src.ids[b].numpy()[src.paddings[b].numpy() == 0].tolist()
+    assert prompt == want and len(want) >= 2, (b, prompt, want)
+
+
 def testDecodingStopsAtEos():
   first = _Decode(_Lm(eos_id=None), _Batch(_Lm()))
   rows = np.arange(len(first['start']))

@@ -242,6 +242,20 @@ def testBadStepsAndAnEndlessEvaluationAreClearErrors(tmp_path):
       estimator.Estimator.from_registry(_MODEL, _Config(tmp_path, **{name: 0}))
 
 
+def testAnInputFnOfNoParamsOrThatReturnsNoDatasetIsAClearError(tmp_path):
+  est = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path))
+  with pytest.raises(errors.UserError, match=r"input_fn must take one argument, params .*"
+                     r"'_NoParams' cannot"):
+    est.train(_NoParams, steps=1)
+  with pytest.raises(errors.UserError, match=r'input_fn returned dict, not a tf.data.Dataset: '
+                     r'return one of batches'):
+    est.train(lambda params: {'x': np.zeros([4, 2])}, steps=1)
+
+
+def _NoParams():
+  """An input_fn of the wrong signature."""
+
+
 def testEvaluatingAnInputOfUnknownEndLogsProgress(tmp_path, monkeypatch):
   """A generator's end is unknown to tf.data: evaluate reads it until it ends and says
   how far it got, and how to bound it."""

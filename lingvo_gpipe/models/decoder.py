@@ -96,11 +96,17 @@ def Decode(task, theta, input_batch):
     start   [B], lengths [B]: the decoded labels are tokens[start:start + lengths],
             eos included;
     scores  [B] float32: their summed log-probability;
-    ids, targets, target_weights: the problem's (prompts and references).
+    ids, targets, target_weights: the problem's (prompts and references);
+    source, source_lengths: a translation's source ids and their count (context.src).
   """
   problem = task.DecodeProblem(input_batch)
-  return py_utils.NestedMap(_Search(task, theta, problem), start=problem.start, ids=problem.ids,
-                            targets=problem.targets, target_weights=problem.target_weights)
+  out = py_utils.NestedMap(_Search(task, theta, problem), start=problem.start, ids=problem.ids,
+                           targets=problem.targets, target_weights=problem.target_weights)
+  if 'src' in problem.context:
+    src = problem.context.src
+    out.source = src.ids
+    out.source_lengths = tf.cast(tf.reduce_sum(1.0 - src.paddings, 1), tf.int32)
+  return out
 
 
 def _Search(task, theta, problem):
@@ -275,14 +281,16 @@ def _BeamSearch(p, problem, log_probs_fn):
 
 
 def Examples(out):
-  """[(prompt ids, hypothesis ids, reference ids)] of Decode's numpy outputs, one per row."""
+  """[(prompt ids, hypothesis ids, reference ids)] of Decode's numpy outputs, one per row; a
+  translation's prompt is its source (its target prompt is only the bos id)."""
   examples = []
   for b, start in enumerate(out['start']):
     start = int(start)
     hypothesis = out['tokens'][b, start:start + int(out['lengths'][b])]
     reference = out['targets'][b, start:][out['target_weights'][b, start:] > 0]
-    examples.append((out['ids'][b, :start + 1].tolist(), hypothesis.tolist(),
-                     reference.tolist()))
+    prompt = (out['source'][b, :int(out['source_lengths'][b])] if 'source' in out else
+              out['ids'][b, :start + 1])
+    examples.append((prompt.tolist(), hypothesis.tolist(), reference.tolist()))
   return examples
 
 

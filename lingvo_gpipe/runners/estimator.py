@@ -30,6 +30,7 @@ export_saved_model, from_registry).
 
 import contextlib
 import dataclasses
+import inspect
 import numbers
 import os
 from typing import Any, Callable, Iterator, Optional
@@ -399,10 +400,20 @@ class Estimator:
   def _Dataset(self, input_fn: Callable[..., tf.data.Dataset], mode: str,
                start_batch: int = 0) -> tf.data.Dataset:
     params = dict(self._params, batch_size=self._batch_sizes[mode], start_batch=start_batch)
+    try:
+      inspect.signature(input_fn).bind(params)
+    except TypeError:
+      raise errors.UserError(f'input_fn must take one argument, params (a dict of batch_size '
+                             f'and start_batch, the batch to resume from); '
+                             f'{getattr(input_fn, "__name__", input_fn)!r} cannot.') from None
+    except ValueError:  # A callable whose signature Python cannot read: call it.
+      pass
     dataset = input_fn(params)
     if not isinstance(dataset, tf.data.Dataset):
-      raise errors.UserError(f'input_fn returned {type(dataset).__name__}, not a '
-                                  'tf.data.Dataset.')
+      raise errors.UserError(
+          f'input_fn returned {type(dataset).__name__}, not a tf.data.Dataset: return one of '
+          "batches (dicts, or (features, labels)), e.g. tf.data.Dataset.from_tensor_slices("
+          "{'x': x, 'y': y}).batch(params['batch_size']).")
     return dataset
 
   def _CallModelFn(self, element, mode: str) -> EstimatorSpec:
