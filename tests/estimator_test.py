@@ -284,9 +284,9 @@ def testEvaluatingAnInputOfUnknownEndLogsProgress(tmp_path, monkeypatch):
       'Evaluated 1 batches of at most 2', 'Evaluated 2 batches of at most 2']
 
 
-def testAPlainDictInputTrainsAsTheNestedMapInputDoes(tmp_path, caplog, monkeypatch):
+def testAPlainDictInputTrainsAsTheNestedMapInputDoes(tmp_path, capsys, monkeypatch):
   """An input_fn of one's own may yield plain dicts; training equals the registry's
-  NestedMap batches. Progress lines hidden at absl's default verbosity are said once."""
+  NestedMap batches. Where absl's verbosity hides INFO, progress lines go to stderr."""
   from absl import logging  # pylint: disable=g-import-not-at-top,import-outside-toplevel
   monkeypatch.setattr(logging, 'get_verbosity', lambda: logging.WARNING)
   nested = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path / 'nested'))
@@ -299,8 +299,11 @@ def testAPlainDictInputTrainsAsTheNestedMapInputDoes(tmp_path, caplog, monkeypat
   assert sorted(actual) == sorted(expected)
   for name, value in expected.items():
     np.testing.assert_array_equal(actual[name], value, err_msg=name)
-  told = [r for r in caplog.records if 'progress lines are absl INFO logs' in r.getMessage()]
-  assert len(told) == 2  # Once per Estimator.
+  progress = [line for line in capsys.readouterr().err.splitlines()
+               if line.startswith('Estimator: step ')]
+  assert [line.split('  ')[0] for line in progress] == [
+      'Estimator: step 3/3', 'Estimator: step 3/3'], progress
+  assert all(' loss ' in line and 'time left' in line for line in progress)
 
 
 def testFromRegistryTakesTheBatchSizesGiven(tmp_path):

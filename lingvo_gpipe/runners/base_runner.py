@@ -308,7 +308,8 @@ def _LogSkips(out: py_utils.NestedMap, first_step: int, last_step: int) -> None:
 def RunTraining(loop_fn: Callable[..., py_utils.NestedMap], iterator: Iterator,
                 global_step: tf.Variable, checkpointer: checkpointer_lib.Checkpointer,
                 writer: tf.summary.SummaryWriter, settings: LoopSettings, batch_size: int | None,
-                pipeline_stats: PipelineStats | None = None, stop=None) -> int:
+                pipeline_stats: PipelineStats | None = None, stop=None,
+                log_progress: Callable[..., None] = logging.info) -> int:
   """Trains until settings.max_steps, the end of the input or a stop; returns the global step.
 
   Args:
@@ -324,6 +325,7 @@ def RunTraining(loop_fn: Callable[..., py_utils.NestedMap], iterator: Iterator,
     stop: None, or an object whose Stopped() becomes true to end training early
       (preemption.StopOnSignals): checked before each loop call; the steps
       done are saved.
+    log_progress: logs the progress line (a %-format and its arguments).
 
   Raises:
     NonFiniteError: when a step's loss, gradients or new weights are not finite;
@@ -381,7 +383,7 @@ def RunTraining(loop_fn: Callable[..., py_utils.NestedMap], iterator: Iterator,
       examples = (f'  {speed["examples_per_second"]:.1f} examples/s'
                   if 'examples_per_second' in speed else '')
       step_time = f"  {speed['step_time']:.4f} s/step" if speed else ''
-      logging.info('step %d/%s  loss %#.4g%s%s  time left %s', new_step, s.max_steps,
+      log_progress('step %d/%s  loss %#.4g%s%s  time left %s', new_step, s.max_steps,
                    float(out.loss), examples, step_time, progress.TimeLeft(new_step))
     step = new_step
     if step % s.save_interval_steps == 0:

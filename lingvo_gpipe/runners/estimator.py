@@ -33,6 +33,7 @@ import dataclasses
 import inspect
 import numbers
 import os
+import sys
 from typing import Any, Callable, Iterator, Optional
 
 from absl import logging
@@ -79,6 +80,15 @@ class RunConfig:
         save_interval_steps=self.save_checkpoints_steps,
         summary_interval_steps=self.log_step_count_steps,
         log_interval_steps=self.log_step_count_steps)
+
+
+def _LogProgress(message: str, *args) -> None:
+  """train()'s progress line: an absl INFO log where absl shows those, else on stderr, so
+  that a Python user sees progress without configuring logging (as Keras's fit prints it)."""
+  if logging.get_verbosity() >= logging.INFO:
+    logging.info(message, *args)
+  else:
+    sys.stderr.write(f'Estimator: {message % args}\n')
 
 
 @dataclasses.dataclass
@@ -243,7 +253,6 @@ class Estimator:
     self._store = _VariableStore()
     self._global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
     self._learner = None
-    self._told_of_logging = False
     self._functions = {}
     self._writers = {}
 
@@ -299,10 +308,6 @@ class Estimator:
     if max_steps is not None and steps is not None:
       raise ValueError('Give steps or max_steps, not both.')
     _CheckSteps(steps=steps, max_steps=max_steps)
-    if logging.get_verbosity() < logging.INFO and not self._told_of_logging:
-      self._told_of_logging = True
-      logging.warning('Estimator progress lines are absl INFO logs, hidden at this verbosity: '
-                      "absl.logging.set_verbosity('info') shows them.")
     tf.io.gfile.makedirs(self.model_dir)
     with run_lock.RunLock(self.model_dir):
       self._Train(input_fn, max_steps, steps)
@@ -326,7 +331,8 @@ class Estimator:
         dataset.element_spec, self._ForwardBackward))
     base_runner.RunTraining(loop_fn, iter(dataset), self._global_step, checkpointer,
                             self._Writer(self.model_dir), self._config.LoopSettings(target),
-                            base_runner.BatchSize(dataset.element_spec))
+                            base_runner.BatchSize(dataset.element_spec),
+                            log_progress=_LogProgress)
 
   def evaluate(self, input_fn: Callable[..., tf.data.Dataset],
                steps: Optional[int] = None) -> dict[str, Any]:
