@@ -619,8 +619,9 @@ def _ConvLayers():
 @pytest.mark.parametrize('sched', ['gpipe', '1f1b'])
 def testACnnWithBatchesSmallerThanMTrainsAndPredictsLikeSequential(sched, tmp_path):
   """Convolutions and pooling of an empty micro-batch (TensorFlow's CPU kernels returned their
-  input on no rows; its max-pooling gradient aborted the process): a CNN at K=4, M=8 fits 22 examples in batches of 16 and 6, and predicts (and its
-  export serves) 5 and 1 rows, as the Sequential does."""
+  input on no rows; its max-pooling gradient aborted the process): a CNN at K=4, M=8 fits 22
+  examples in batches of 16 and 6, and predicts (and its export serves) 5 and 1 rows, as the
+  Sequential does."""
   keras.utils.set_random_seed(5)
   try:
     ref = keras.Sequential([keras.Input((8, 8, 3))] + _ConvLayers())

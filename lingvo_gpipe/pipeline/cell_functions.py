@@ -138,8 +138,9 @@ class CellFunctions:
   whatever M (docs/benchmarks/2026-12-01-startup.md).
   `_noinline` stops TensorFlow from inlining the calls back before it optimizes
   the graph (unless inline_cell_functions: an op failing inside a call that is not
-  inlined may reach the caller only as the other devices' cancelled receives). Where the micro-batch sits in the batch and the step are tensor
-  arguments, so one trace serves every micro-batch; batch-norm statistics come
+  inlined may reach the caller only as the other devices' cancelled receives). Where
+  the micro-batch sits in the batch and the step are tensor arguments, so one trace
+  serves every micro-batch; batch-norm statistics come
   back keyed by layer path, so no trace leaves state behind that another
   trace's calls would rely on. A backward adds the weight gradients to the
   chunk's `grad_sum` in place, which `Zero` starts each pass at.
