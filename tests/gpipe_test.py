@@ -1127,14 +1127,15 @@ def testABatchSmallerThanMTrainsExactly(sched, batch, remat):
 
 @pytest.mark.parametrize('sched', ['gpipe', '1f1b'])
 def testACnnOfABatchSmallerThanMTrainsExactly(sched):
-  """Convolutions and max pooling on an empty micro-batch (3 rows, M=4): TensorFlow's CPU
+  """Convolutions and pooling on an empty micro-batch (3 rows, M=4): TensorFlow's CPU
   convolution returned its input on no rows, and its max-pooling gradient aborted."""
   cnn = [conv.Conv2DLayer.Params().Set(name='conv0', filter_shape=[3, 3, 3, 4], padding='VALID'),
          conv.PoolingLayer.Params().Set(name='pool'),
          conv.Conv2DLayer.Params().Set(name='conv1', filter_shape=[3, 3, 4, 4], padding='VALID'),
+         conv.PoolingLayer.Params().Set(name='avg', pooling_type='AVG', window_stride=(1, 1)),
          conv.GlobalPoolingLayer.Params().Set(name='mean')]
   pipe = gpipe.PipeliningLayer.Params().Set(
-      name='pipe', cell_tpl=gpipe.CellsFromEnds(cnn, [2, 4]), num_micro_batches=4,
+      name='pipe', cell_tpl=gpipe.CellsFromEnds(cnn, [2, 5]), num_micro_batches=4,
       schedule=sched).Instantiate()
   x = tf.random.stateless_normal([3, 10, 10, 3], [4, 5])
   with tf.GradientTape() as tape:

@@ -78,9 +78,10 @@ class PoolingLayer(base_layer.BaseLayer):
     """[B, H, W, C] -> [B, H', W', C]."""
     del theta  # No variables.
     p = self.params
-    return layer_utils.OnAtLeastOneRow(
-        lambda x: tf.nn.pool(x, p.window_shape, p.pooling_type, strides=p.window_stride,
-                             padding=p.padding), self.ToFPropDtype(inputs))
+    pool = lambda x: tf.nn.pool(x, p.window_shape, p.pooling_type, strides=p.window_stride,
+                                padding=p.padding)
+    x = self.ToFPropDtype(inputs)
+    return layer_utils.OnAtLeastOneRow(pool, x) if p.pooling_type == 'MAX' else pool(x)
 
   @classmethod
   def FPropMeta(cls, params, input_shape):

@@ -334,9 +334,7 @@ class KerasLayer(base_layer.BaseLayer):
 _NEED_A_ROW = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D,
                keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D,
                keras.layers.SeparableConv1D, keras.layers.SeparableConv2D,
-               keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D,
-               keras.layers.AveragePooling1D, keras.layers.AveragePooling2D,
-               keras.layers.AveragePooling3D)
+               keras.layers.MaxPooling1D, keras.layers.MaxPooling2D, keras.layers.MaxPooling3D)
 
 
 def _LayerName(config, index):

@@ -152,8 +152,8 @@ def OnAtLeastOneRow(fn, x):
   """fn(x) for a batch x that may have no rows, as an empty micro-batch has: a zero row is
   appended where it has none, and its output dropped (no control flow; a batch with rows
   gains none). TensorFlow 2.21's CPU convolutions return their input unchanged on no rows
-  (tf.nn.conv2d of [0, 8, 8, 3] is [0, 8, 8, 3]) and oneDNN's max-pooling gradient aborts
-  the process ("Check failed: dtype() == expected_dtype"). A concat, not tf.pad: Grappler
+  (tf.nn.conv2d of [0, 8, 8, 3] is [0, 8, 8, 3]) and oneDNN's max-pooling gradient (not the
+  average's) aborts the process ("Check failed: dtype() == expected_dtype"). A concat, not tf.pad: Grappler
   folds a pad into the convolution, which then sees no rows again."""
   if isinstance(x.shape[0], int) and x.shape[0] > 0:
     return fn(x)
