@@ -753,8 +753,9 @@ def testAnEvalerEvaluatesTheModelAndDataTheTrainerRanWith(tmp_path):
                  '--model_params_override=input.batch_size : 2'))
   taken = [line for line in err.splitlines() if "Evaluating with the trainer's settings" in line]
   assert len(taken) == 1 and taken[0].endswith('params.txt): task.hidden_dim : 6'), taken
-  assert re.search(r"Evaluating with your own override of what the trainer ran with "
-                   r"\(.*params\.txt\): input\.batch_size : 4\.", err), err[-3000:]
+  assert re.search(r"Evaluating with your own override of settings the trainer set "
+                   r"\(.*params\.txt\), the trainer's being: input\.batch_size : 4\.", err), (
+                       err[-3000:])
   # Without them the evaler would build another model than the checkpoint's.
   code, _, err = _Run(f'--logdir={logdir}', '--job=evaler_dev', '--eval_once',
                       '--model_params_override=task.hidden_dim : 8')

@@ -195,14 +195,14 @@ def WithTrainersSettings(logdir: str, model: str, override: str, dataset_name: s
   except tf.errors.NotFoundError:
     return override
   own = set(base_runner.OverrideKeys(override))
-  trainers = base_runner.TrainersSettings(model, dataset_name, recorded)
-  taken = [line for line in trainers if line.split(' : ', 1)[0] not in own]
+  taken, overridden = [], []
+  for line in base_runner.TrainersSettings(model, dataset_name, recorded):
+    (overridden if line.split(' : ', 1)[0] in own else taken).append(line)
   if taken:
     logging.info("%s with the trainer's settings (%s): %s", doing, path, '; '.join(taken))
-  overridden = [line for line in trainers if line.split(' : ', 1)[0] in own]
   if overridden:
-    logging.warning('%s with your own override of what the trainer ran with (%s): %s.', doing,
-                    path, '; '.join(overridden))
+    logging.warning("%s with your own override of settings the trainer set (%s), the trainer's "
+                    'being: %s.', doing, path, '; '.join(overridden))
   return '\n'.join(taken + [override])
 
 
