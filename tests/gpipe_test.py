@@ -1228,6 +1228,14 @@ def testInlinedCellFunctionsAreExactAndRaiseTheFailingOpsOwnError(sched):
                                                   loss_reduction='mean'))(x)
 
 
+def testInlinedCellFunctionsInASteadyStateLoopAreRefused():
+  """Inlined into a loop's body, the calls lose the schedule's order (1F1B at K=4, M=16 gave
+  gradients off by up to 8.9), so the pair is an error, not a silently wrong step."""
+  with pytest.raises(ValueError, match='inline_cell_functions=True needs '
+                     'loop_steady_state=False'):
+    _Pipe(4, 16, 'always', '1f1b', inline_cell_functions=True, loop_steady_state=True)
+
+
 def testBadCellsAndDevicesAreClearErrors():
   with pytest.raises(ValueError, match=r'cell_tpl must be a list of layer params, one per '
                      r'stage; got InstantiableParams'):

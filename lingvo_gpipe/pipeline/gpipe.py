@@ -3,9 +3,8 @@
 A PipeliningLayer cuts a network into cells (chunks) on K devices and a batch
 into M micro-batches. One micro-batch's path through a training step:
 
-  1. split: the batch is cut along `batch_dim` (microbatch.Split), into parts that
-     differ by a row if M does not divide it, sized at run time if its size is
-     unknown at trace time;
+  1. split: the batch is cut along `batch_dim` (microbatch.Split), into parts that differ
+     by a row if M does not divide it, sized at run time if unknown at trace time;
   2. forward F(m, c): chunk c runs on its device; only its input, the boundary
      activation, is kept (with remat) and handed to chunk c+1;
   3. loss L(m): on the last chunk's device, per micro-batch or, for fill-drain,
@@ -113,8 +112,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('batch_dim', 0, 'The batch dimension of every input and output tensor.')
     p.Define('devices', None,
              'Device names, one per stage (a device, holding virtual_stages cells) of each '
-             'replica, replica-major: K x num_replicas; None takes the local or cluster '
-             'devices.')
+             'replica, replica-major: K x num_replicas; None: the local or cluster devices.')
     p.Define('allow_device_reuse', False,
              'Place cells round-robin when there are fewer devices than cells.')
     p.Define('remat', 'always',
@@ -144,7 +142,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('inline_cell_functions', False,
              "Inline each action's call of its chunk's function. Off, start-up stays small at "
              "large K x M, but an op failing in a chunk may surface only as CancelledError "
-             "('RecvAsync is cancelled'); on, its own error is raised.")
+             "('RecvAsync is cancelled'); on, its own error is raised. Not with a loop.")
     p.Define('jit_compile', False,
              "Compile each cell's forward and backward step with XLA (placement and the "
              "pipeline between the steps stay outside the compiled functions); needs remat="
@@ -165,6 +163,9 @@ class PipeliningLayer(base_layer.BaseLayer):
       raise ValueError(f'Unknown remat {p.remat!r}; expected one of {list(REMAT_MODES)}.')
     if not isinstance(p.loop_steady_state, bool):
       raise ValueError(f'loop_steady_state must be True or False, got {p.loop_steady_state!r}.')
+    if p.inline_cell_functions and p.loop_steady_state:
+      raise ValueError('inline_cell_functions=True needs loop_steady_state=False: calls inlined '
+                       "into the loop's body are not kept in the schedule's order.")
     if p.jit_compile and p.remat != 'always':
       raise ValueError(f"jit_compile=True needs remat='always', got remat={p.remat!r}: a "
                        'forward kept for its backward runs on a gradient tape, uncompiled.')
@@ -175,9 +176,8 @@ class PipeliningLayer(base_layer.BaseLayer):
     if p.micro_batch_size is not None and p.num_micro_batches != 1:
       raise ValueError(f'Set num_micro_batches ({p.num_micro_batches}) or micro_batch_size '
                        f'({p.micro_batch_size}), not both: leave num_micro_batches at 1.')
-    # A bad schedule, chunks per device or M fails here, not at the first batch; the
-    # schedule places the chunks on the devices. Built and checked once per M (the check
-    # runs every action, zbv's search several greedy runs), here and then as batches need them.
+    # A bad schedule, chunks per device or M fails here, not at the first batch; the schedule
+    # places the chunks. Built and checked once per M, here and then as batches need them.
     self._programs = {}  # M -> the program of its schedule (ProgramFor).
     self._placement = self.ScheduleFor(None if p.micro_batch_size else p.num_micro_batches
                                      ).placement
