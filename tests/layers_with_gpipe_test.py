@@ -230,7 +230,8 @@ def testEmbeddingLayerMatchesNumpy():
   out = layer.FProp(layer.theta, state)
   table = layer.vars.emb.emb.numpy()
   _Close(out.src.vecs, table[state.src.ids.numpy()] * math.sqrt(6) + _Sinusoids(_S, 6))
-  assert out.other is state.other and out.src.ids is state.src.ids
+  assert out.other is state.other and out.src.paddings is state.src.paddings
+  assert 'ids' not in out.src  # Embedded: no later layer reads them.
   with pytest.raises(ValueError, match='max_len=8'):
     layer.FProp(layer.theta, NestedMap(src=NestedMap(ids=tf.zeros([1, 9], tf.int32))))
 

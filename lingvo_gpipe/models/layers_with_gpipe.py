@@ -100,6 +100,12 @@ class _GPipeStack(gpipe.PipeliningLayer):
     """The stack's layers across all cells, in order."""
     return [layer for cell in self.cell for layer in cell.sub]
 
+  def DefaultLastChunkInputs(self):
+    """What only the softmax reads: its stream's labels and weights (or a decoding step's
+    positions), sent straight to the last chunk (direct_inputs.py)."""
+    stream = self.Layers()[-1].params.stream
+    return [f'{stream}.{key}' for key in ('labels', 'weights', 'decode_positions')]
+
   # -- the params API (lingvo_gpipe/pipeline/pipeline_params.py) ------------------
 
   @classmethod

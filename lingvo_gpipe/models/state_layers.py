@@ -4,7 +4,7 @@ Every layer of a stack (layers_with_gpipe.py) takes and returns one NestedMap,
 the *state*, holding one sub-map per *stream*:
 
   src: ids [B, S] int32, paddings [B, S] (1.0 where padded), and once embedded
-       vecs [B, S, D]: the encoder's sequence.
+       vecs [B, S, D] in place of the ids: the encoder's sequence.
   tgt: ids, labels [B, T] int32, paddings, weights [B, T], and vecs: the
        decoder's (or language model's) sequence.
   image: vecs [B, H, W, C], labels [B] int32, weights [B].
@@ -36,10 +36,12 @@ from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.layers import layer_utils
 
 
-def _WithFields(state, stream, **fields):
-  """A copy of `state` whose sub-map `stream` has `fields` set."""
+def _WithFields(state, stream, drop=(), **fields):
+  """A copy of `state` whose sub-map `stream` has `fields` set and the keys `drop` removed."""
   out = py_utils.NestedMap(state)
   out[stream] = py_utils.NestedMap(state[stream], **fields)
+  for key in drop:
+    del out[stream][key]
   return out
 
 
@@ -57,7 +59,11 @@ def _ShapeOf(spec):
 
 
 class GPipeEmbeddingLayer(base_layer.BaseLayer):
-  """Embeds stream.ids into stream.vecs: dropout(emb * sqrt(D) + position)."""
+  """Embeds stream.ids into stream.vecs: dropout(emb * sqrt(D) + position).
+
+  The ids leave the state here: no later layer reads them, and carried on they would be
+  handed through every stage after this one.
+  """
 
   @classmethod
   def Params(cls):
@@ -89,7 +95,7 @@ class GPipeEmbeddingLayer(base_layer.BaseLayer):
     length = ids.shape[1] if ids.shape[1] is not None else tf.shape(ids)[1]
     vecs += self.pos.FProp(theta.pos, length)
     vecs = self.dropout.FProp(theta.dropout, vecs)
-    return _WithFields(state, self.params.stream, vecs=vecs)
+    return _WithFields(state, self.params.stream, drop=['ids'], vecs=vecs)
 
   @classmethod
   def FPropMeta(cls, params, state_spec):
@@ -99,7 +105,7 @@ class GPipeEmbeddingLayer(base_layer.BaseLayer):
     flops = (children['emb'].cls.FPropMeta(children['emb'], ids).flops +
              2 * vecs.num_elements() +  # Position table and the sum.
              children['dropout'].cls.FPropMeta(children['dropout'], vecs).flops)
-    return _Meta(flops, _WithFields(state_spec, params.stream, vecs=Spec(vecs)))
+    return _Meta(flops, _WithFields(state_spec, params.stream, drop=['ids'], vecs=Spec(vecs)))
 
 
 class GPipeTransformerLayer(layers.TransformerLayer):

@@ -153,15 +153,20 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
     if c == 0:
       self.inputs[key] = self._Released(m, device)
       self.released.add(m)
-    args = self.inputs[key]
+    self.inputs[key] = args = self._ChunkArgs(m, c, self.inputs[key])
     waits, start = self._Begin(device, args)
     taped = not (self._Remat(m) or key in self.split)
     tape = tf.GradientTape(watch_accessed_variables=False) if taped else None
     with tf.control_dependencies(waits), tape or contextlib.nullcontext():
       if taped:
         cell_functions.Watch(tape, self.thetas[c], args if self._WantsArgGrads(c) else ())
-      out, acts, updates = self.functions[c].Forward(
-          self.thetas[c], args, self._Where(m, device), self.step, self.training)
+      try:
+        out, acts, updates = self.functions[c].Forward(
+            self.thetas[c], args, self._Where(m, device), self.step, self.training)
+      except (AttributeError, KeyError) as e:
+        if self.direct and c < self.num_chunks - 1:
+          raise ValueError(self.direct.Explain(c, e)) from e
+        raise
     if taped:
       self.tapes[key] = (tape, args if self._WantsArgGrads(c) else None, (out, acts))
     if taped or not self.keep_inputs:
@@ -180,6 +185,7 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
   def _HandOn(self, m, c, d_args):
     """Leaves chunk c's input gradient for chunk c-1 (a send, SB, follows where that is
     elsewhere), or as the pass's input gradient."""
+    d_args = self._ChunkArgGrads(m, c, d_args)
     if c == 0:
       self.input_grads[m] = d_args
     else:

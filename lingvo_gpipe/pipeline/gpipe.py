@@ -26,7 +26,7 @@ weight's M gradients only once all exist (the peak grows with M): re-materializa
 explicit recompute-then-differentiate of each chunk, the accumulation in our hands.
 """
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 from absl import logging
 import tensorflow as tf
@@ -36,9 +36,10 @@ from lingvo_gpipe.foundation import base_layer
 from lingvo_gpipe.foundation import devices as devices_lib
 from lingvo_gpipe.foundation import hyperparams
 from lingvo_gpipe.foundation import py_utils
-from lingvo_gpipe.layers import profiler
 from lingvo_gpipe.layers import remat as remat_lib
 from lingvo_gpipe.pipeline import cell_functions
+from lingvo_gpipe.pipeline import cells
+from lingvo_gpipe.pipeline import direct_inputs
 from lingvo_gpipe.pipeline import executor
 from lingvo_gpipe.pipeline import loss_contract
 from lingvo_gpipe.pipeline import microbatch
@@ -52,41 +53,16 @@ from lingvo_gpipe.pipeline import training_pass
 
 REMAT_MODES = ('always', 'except_last', 'never')
 
+# The cells (cells.py), under the names a pipeline's users know them by.
+FeatureExtractionLayer = cells.FeatureExtractionLayer
+PartitionSequentialLayers = cells.PartitionSequentialLayers
+CellsFromEnds = cells.CellsFromEnds
+
 
 def _CastFloats(structure, dtype):
   return tf.nest.map_structure(
       lambda x: tf.cast(x, dtype) if py_utils.IsFloatTensor(x) and x.dtype != dtype else x,
       structure)
-
-
-class FeatureExtractionLayer(layers.SequentialLayer):
-  """A pipeline cell: layers run in order, some of whose outputs are exported.
-
-  Transparent (base_layer): a cell only says where the cut falls, so its layers
-  are named as the pipeline's ('pipe/layer3/w' in any cell), and a model cut
-  otherwise has the same variables, initial values, dropout masks and checkpoint.
-  """
-
-  TRANSPARENT = True
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('act_fetch_layers', [],
-             'Names of sub-layers whose outputs the pipeline also returns.')
-    return p
-
-  def __init__(self, params):
-    super().__init__(params)
-    names = [layer.params.name for layer in self.sub]
-    unknown = [n for n in self.params.act_fetch_layers if n not in names]
-    if unknown:
-      raise ValueError(f'{self.path}: act_fetch_layers {unknown} are not sub-layers {names}.')
-
-  def FPropWithActivations(self, theta: py_utils.NestedMap,
-                           *args) -> tuple[Any, py_utils.NestedMap]:
-    """(outputs, NestedMap of the act_fetch_layers' outputs)."""
-    return self.FPropAndOutputs(theta, args, self.params.act_fetch_layers)
 
 
 class PipeliningLayer(base_layer.BaseLayer):
@@ -143,6 +119,11 @@ class PipeliningLayer(base_layer.BaseLayer):
              "Inline each action's call of its chunk's function. Off, start-up stays small at "
              "large K x M, but an op failing in a chunk may surface only as CancelledError "
              "('RecvAsync is cancelled'); on, its own error is raised. Not with a loop.")
+    p.Define('last_chunk_inputs', None,
+             "Paths of the first cell's NestedMap input (e.g. 'tgt.labels') that only the last "
+             'chunk reads: sent to it straight from the batch, not handed through every stage '
+             "(lingvo_gpipe/pipeline/direct_inputs.py). None: the class's choice (a GPipe "
+             "stack's: its softmax's labels and weights); [] sends everything through.")
     p.Define('jit_compile', False,
              "Compile each cell's forward and backward step with XLA (placement and the "
              "pipeline between the steps stay outside the compiled functions); needs remat="
@@ -166,6 +147,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     if p.inline_cell_functions and p.loop_steady_state:
       raise ValueError('inline_cell_functions=True needs loop_steady_state=False: calls inlined '
                        "into the loop's body are not kept in the schedule's order.")
+    direct_inputs.CheckPaths(p.last_chunk_inputs)
     if p.jit_compile and p.remat != 'always':
       raise ValueError(f"jit_compile=True needs remat='always', got remat={p.remat!r}: a "
                        'forward kept for its backward runs on a gradient tape, uncompiled.')
@@ -443,6 +425,11 @@ class PipeliningLayer(base_layer.BaseLayer):
       outputs = outputs[0]
     return (outputs, acts) if acts else outputs
 
+  def DefaultLastChunkInputs(self) -> list:
+    """The paths sent straight to the last chunk where the input has them and the params'
+    last_chunk_inputs is None: none here."""
+    return []
+
   def ChunkThetas(self, theta):
     """Each chunk's theta as tensors read on that chunk's device."""
     thetas = []
@@ -457,44 +444,3 @@ class PipeliningLayer(base_layer.BaseLayer):
       for layer, layer_theta in zip(self.before, theta.before):
         args = executor.AsArgs(layer.FProp(layer_theta, *args))
     return args
-
-# -- partitioning ------------------------------------------------------------------
-
-
-def PartitionSequentialLayers(layer_params_list: Sequence[hyperparams.Params], num_partitions: int,
-                              input_shape, cost: Any = 'auto') -> list[hyperparams.Params]:
-  """Cuts a layer list into `num_partitions` balanced FeatureExtractionLayer params.
-
-  Args:
-    layer_params_list: layer params, run in order.
-    num_partitions: K, the number of stages.
-    input_shape: the first layer's input tf.TensorShape (or TensorSpec), or a
-      list of them for several inputs, or a NestedMap of them for one NestedMap.
-    cost: 'auto' (FLOPs if every layer has FPropMeta, else parameter count),
-      'flops', 'params', 'time' (profile each layer forward+backward once), or a
-      list of per-layer numbers.
-
-  Returns:
-    K FeatureExtractionLayer params named cell0..cell{K-1}.
-  """
-  named = profiler.Named(layer_params_list)
-  costs = list(cost) if isinstance(cost, (list, tuple)) else profiler.LayerCosts(
-      named, input_shape, cost)
-  if len(costs) != len(named):
-    raise ValueError(f'Got {len(costs)} costs for {len(named)} layers.')
-  return CellsFromEnds(named, partition.Balance(costs, num_partitions))
-
-
-def CellsFromEnds(layer_params_list: Sequence[hyperparams.Params], ends: Sequence[int],
-                  act_fetch_layers: Sequence[str] = ()) -> list[hyperparams.Params]:
-  """FeatureExtractionLayer params cell0.. holding layers [ends[k-1], ends[k]).
-
-  act_fetch_layers: names of layers whose outputs are fetched, in whichever cell.
-  """
-  cells = []
-  for k, (a, b) in enumerate(zip([0] + list(ends[:-1]), ends)):
-    sub = layer_params_list[a:b]
-    cells.append(FeatureExtractionLayer.Params().Set(
-        name=f'cell{k}', sub=sub,
-        act_fetch_layers=[q.name for q in sub if q.name in act_fetch_layers]))
-  return cells

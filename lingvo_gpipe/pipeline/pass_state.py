@@ -13,6 +13,7 @@ in a loop or not.
 import tensorflow as tf
 
 from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.pipeline import direct_inputs
 from lingvo_gpipe.pipeline import microbatch
 
 
@@ -75,7 +76,12 @@ class PassState:
     self.need_input_grads = need_input_grads
     self.num_chunks = len(thetas)
     self.num_micro_batches = len(micro_args)
+    self.micro_args = micro_args
     self.inputs = {(m, 0): args for m, args in enumerate(micro_args)}
+    # The fields that go from the batch straight to the last chunk (direct_inputs.py).
+    self.direct = direct_inputs.DirectInputs(layer.params.last_chunk_inputs,
+                                             layer.DefaultLastChunkInputs(), micro_args[0],
+                                             self.num_chunks)
     self.tapes = {}
     self.pending_w = {}
     self.outputs = {}  # The last chunk's outputs, kept for MergedOutputs (keep_outputs).
@@ -127,8 +133,31 @@ class PassState:
     """Micro-batch m's arguments of the first chunk: in a loop, the iteration's rows of the
     batch, taken where the batch is."""
     if self.loop is None:
-      return self.inputs[(m, 0)]
+      return self.micro_args[m]
     return microbatch.Part(self.batch, self._Index(m), self.sizes[0], self.layer.params.batch_dim)
+
+  def _ChunkArgs(self, m, c, args):
+    """Chunk c's arguments of micro-batch m from `args` (the batch's rows for the first, the
+    chunk before's output for others): the first chunk's lack the direct inputs, the last
+    chunk's get them back (direct_inputs.py)."""
+    if not self.direct:
+      return args
+    if c == 0:
+      return self.direct.Without(args)[0]
+    if c == self.num_chunks - 1:
+      return self.direct.Joined(args, self.direct.Without(self._FirstArgs(m))[1], c)
+    return args
+
+  def _ChunkArgGrads(self, m, c, d_args):
+    """Chunk c's input gradients as the chunk before (or the pass's caller) takes them: the
+    direct inputs' gradients dropped where they came in, and None for them at the first."""
+    if not self.direct or d_args is None:
+      return d_args
+    if c == self.num_chunks - 1:
+      d_args = self.direct.Without(d_args)[0]
+    if c == 0:
+      d_args = self.direct.Joined(d_args, [None] * len(self.direct.paths), c)
+    return d_args
 
   def MicroBatchRows(self, whole, parts, m):
     """Micro-batch m's rows of `whole`, which `parts` splits as the inputs are (labels): in a
