@@ -78,3 +78,22 @@ def testTooFewGpusSayHowToSplitOne(monkeypatch):
   with pytest.raises(ValueError, match=r"needs 2 devices .* split one into logical GPUs with "
                      r"memory limits \(the trainer's --gpu_split_mb"):
     devices.StageDevices(2)
+
+
+class _LocalDevice:
+  """A stand-in for an entry of device_lib.list_local_devices()."""
+
+  def __init__(self, name, device_type, memory_limit):
+    self.name, self.device_type, self.memory_limit = name, device_type, memory_limit
+
+
+def testGpuMemoryAndThePlannersDefaultCap():
+  two_gpus = [_LocalDevice('/device:CPU:0', 'CPU', 268435456),
+              _LocalDevice('/device:GPU:0', 'GPU', 15 * 2**30),
+              _LocalDevice('/device:GPU:1', 'GPU', 7 * 2**30)]
+  memory = devices.GpuMemoryBytes(two_gpus)
+  assert memory == {'GPU:0': 15 * 2**30, 'GPU:1': 7 * 2**30}
+  assert devices.DefaultMemoryCap(memory) == (7 * 2**30, "7168 MiB, GPU:1's memory")
+  # On CPUs (this machine) no cap: the logical devices share the host's memory.
+  assert devices.GpuMemoryBytes() == {}
+  assert devices.DefaultMemoryCap({}) == (None, 'none (no GPU)')

@@ -314,6 +314,7 @@ def testPlanBalance(runs):
   assert [p.name for p in plan.layers] == [f'layer{i}' for i in range(4)]
   assert plan.remat_policy in ('none', 'every_layer') and '[4/4]' in err
   assert plan_json['remat_policy'] == plan.remat_policy
+  assert plan.memory_cap_bytes is None  # On CPUs no cap by default (devices.DefaultMemoryCap).
   assert {row.split('|')[2].strip() for row in table[2:]} == {plan.remat_policy}
   # Tiny layers: a backward may drown in the timing noise. Such a layer is shown as not
   # measured, never as a time <= 0, and the stages holding it are marked as lower bounds.

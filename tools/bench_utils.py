@@ -140,14 +140,15 @@ def _Point(config):
   return ' '.join(f'{names.get(k, k)}={config[k]}' for k in keys if k in config)
 
 
-def SetUpDevices(num_devices, intra_op_threads=0, inter_op_threads=0):
-  """num_devices logical CPU devices and thread pools (0: TensorFlow's default); returns tf."""
+def SetUpDevices(num_devices, intra_op_threads=0, inter_op_threads=0, run_locally='cpu'):
+  """num_devices logical CPU devices (or, run_locally 'gpu' or 'auto' on a GPU machine, its
+  GPUs) and thread pools (0: TensorFlow's default); returns tf."""
   binaries.QuietTensorFlow()
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.foundation import devices  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.foundation import memory_stats  # pylint: disable=g-import-not-at-top
   memory_stats.EnableStats()
-  devices.ConfigureLocal('cpu', max(1, num_devices))
+  devices.ConfigureLocal(run_locally, max(1, num_devices))
   tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
   tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
   return tf

@@ -56,7 +56,12 @@ flags.DEFINE_enum('remat', None, ['always', 'except_last', 'never'],
 flags.DEFINE_list('remat_policy', None,
                   "cell_remat_policy values to choose from (the fastest plan that fits), e.g. "
                   "none,every_layer,every_2; default the model's.")
-flags.DEFINE_float('memory_cap_mb', None, 'Per-device memory cap in MiB; default none.')
+flags.DEFINE_float('memory_cap_mb', None,
+                   "Per-device memory cap in MiB; default the profiling GPU's memory (the "
+                   'devices a plan runs on are taken to be like it), none on CPUs.')
+flags.DEFINE_enum('run_locally', 'auto', ['auto', 'cpu', 'gpu'],
+                  'Where layers are profiled, as the trainer\'s flag: auto takes a GPU when '
+                  'TensorFlow sees one.')
 flags.DEFINE_boolean('choose', False, 'Also choose M, the schedule and remat (see above).')
 flags.DEFINE_integer('top', 8, 'With --choose: candidates printed.', lower_bound=1)
 flags.register_multi_flags_validator(
@@ -157,11 +162,14 @@ def _MicroBatches(rows, m, micro_batch_size=None, replicas=1):
 
 def main(argv):
   del argv
-  tf = bench_utils.SetUpDevices(1)
+  tf = bench_utils.SetUpDevices(1, run_locally=FLAGS.run_locally)
+  from lingvo_gpipe.foundation import devices  # pylint: disable=g-import-not-at-top
   from lingvo_gpipe.insight import planner  # pylint: disable=g-import-not-at-top
   load_before = bench_utils.Load()
   profiles, glued, own_ends, k, m, schedule, remat, own_policy, rows = _Profile(tf)
-  cap = None if FLAGS.memory_cap_mb is None else FLAGS.memory_cap_mb * 2**20
+  cap, cap_text = devices.DefaultMemoryCap(devices.GpuMemoryBytes())
+  if FLAGS.memory_cap_mb is not None:
+    cap, cap_text = FLAGS.memory_cap_mb * 2**20, f'{FLAGS.memory_cap_mb:g} MiB'
   try:
     choices = dict(remat_policies=FLAGS.remat_policy or [own_policy], memory_cap_bytes=cap,
                    optimizer_slots=FLAGS.optimizer_slots, glued=glued, source=FLAGS.model,
@@ -199,7 +207,7 @@ def main(argv):
       ('predicted bubble', lambda r: f"{r['bubble']:.3f}")])
   notes = [f'{FLAGS.model}: K={k}, M={m}, {schedule}, remat {remat}, remat policy '
            f'{plan.remat_policy} (of {FLAGS.remat_policy or [own_policy]}), cap '
-           f"{'none' if cap is None else f'{FLAGS.memory_cap_mb:g} MiB'}; plan ends "
+           f'{cap_text}; plan ends '
            f'{plan.ends} (the model\'s, K={len(own_ends)}: {list(own_ends)}); saved to '
            f'{FLAGS.out}; load average '
            f'(1, 5, 15 min) before {load_before}, after {bench_utils.Load()}']

@@ -64,6 +64,33 @@ def Current():
   return Topology.Of(tf.config.list_logical_devices())
 
 
+def GpuMemoryBytes(local_devices=None) -> dict:
+  """Per local GPU ('GPU:0', ...), the bytes its allocator may take: a logical GPU's
+  memory_limit, or what TensorFlow found usable on a physical one; {} without GPUs.
+
+  TensorFlow's public API tells no GPU's memory; its device list (device_lib) holds each
+  allocator's limit. local_devices: what device_lib.list_local_devices() returns (stand-ins
+  in tests); listing them starts TensorFlow's devices.
+  """
+  if local_devices is None:
+    if not tf.config.list_physical_devices('GPU'):
+      return {}
+    from tensorflow.python.client import device_lib  # pylint: disable=g-import-not-at-top
+    local_devices = device_lib.list_local_devices()
+  return {ShortName(d.name): int(d.memory_limit) for d in local_devices
+          if d.device_type == 'GPU'}
+
+
+def DefaultMemoryCap(gpu_memory: dict):
+  """(the planner's per-device cap where none is given, in words): the smallest GPU's
+  memory of GpuMemoryBytes, as each stage must fit its device; None on CPUs, whose logical
+  devices share the host's memory."""
+  if not gpu_memory:
+    return None, 'none (no GPU)'
+  name = min(gpu_memory, key=gpu_memory.get)
+  return gpu_memory[name], f"{gpu_memory[name] / 2**20:.0f} MiB, {name}'s memory"
+
+
 def LocalKind(run_locally, num_gpus):
   """'GPU' or 'CPU' for --run_locally (auto: GPUs when TensorFlow sees any)."""
   if run_locally not in LOCAL_KINDS:
