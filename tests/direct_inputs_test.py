@@ -176,7 +176,8 @@ def testEvalAndTapeForwards():
 
 def testAnEarlierChunkReadingOneIsAClearError():
   pipe = _Pipe('1f1b', first=_ReadsY)
-  with pytest.raises(ValueError, match=r"chunk 0 .*last_chunk_inputs sends \['y', "):
+  with pytest.raises(ValueError, match=r"chunk 0 failed on a field it lacks .*"
+                     r"\(path: chunk; last_chunk_inputs\): \{'y': 3, 'target.weight': 3\}"):
     pipe.ForwardBackward(pipe.theta, _Inputs(), _Loss)
 
 
@@ -184,7 +185,7 @@ def testAnEarlierChunkWritingOneIsAClearError():
   pipe = _Pipe('1f1b', first=_WritesY, paths=['target.weight'])
   pipe.ForwardBackward(pipe.theta, _Inputs(), _Loss)  # y is not sent apart: fine.
   pipe = _Pipe('1f1b', first=_WritesY, paths=['y'])
-  with pytest.raises(ValueError, match=r"outputs 'y', which last_chunk_inputs sends straight"):
+  with pytest.raises(ValueError, match=r"Chunk 2 outputs 'y', which is sent straight to chunk 3"):
     pipe.ForwardBackward(pipe.theta, _Inputs(), _Loss)
 
 
@@ -197,27 +198,36 @@ def testMissingPathOrBadInputIsAClearError():
     pipe = _Pipe('1f1b', paths=['target'])
     pipe.ForwardBackward(pipe.theta, _Inputs(), _Loss)
   with pytest.raises(ValueError, match=r"expected one NestedMap"):
-    direct_inputs.DirectInputs(['y'], [], (tf.zeros([2]),), 2)
+    direct_inputs.DirectInputs(['y'], {}, (tf.zeros([2]),), 2)
   for bad in ('y', [''], ['a..b'], [3]):
     with pytest.raises(ValueError, match='last_chunk_inputs='):
       _Pipe('1f1b', paths=bad)
 
 
-def testOptionalPathsOnlyWhereTheInputHasThem():
-  state = NestedMap(x=tf.ones([2, 1]), t=NestedMap(a=tf.ones([2]), b=tf.zeros([2])))
-  direct = direct_inputs.DirectInputs(None, ['t.b', 't.c'], (state,), 3)
-  assert direct.paths == ['t.b']
+def testDefaultsOnlyWhereTheInputHasThem():
+  state = NestedMap(x=tf.ones([2, 1]), t=NestedMap(a=tf.ones([2]), b=tf.zeros([2]),
+                                                   c=tf.zeros([2])))
+  direct = direct_inputs.DirectInputs(None, {'t.b': -1, 't.c': 1, 't.a': 0, 't.d': -1},
+                                      (state,), 3)
+  assert direct.joins == {'t.b': 2, 't.c': 1}  # t.a rides with the first chunk's input.
   (rest,), side = direct.Without((state,))
-  assert sorted(rest.t) == ['a'] and sorted(state.t) == ['a', 'b']  # The input is unchanged.
-  (back,) = direct.Joined((rest,), side, 2)
-  assert back.t.b is state.t.b and back.x is state.x
-  assert not direct_inputs.DirectInputs(['t.b'], [], (state,), 1)  # One chunk: nothing apart.
+  assert sorted(rest.t) == ['a'] and sorted(state.t) == ['a', 'b', 'c']  # Unchanged input.
+  assert side == [state.t.b, state.t.c]
+  (at1,) = direct.Joined((rest,), (state,), 1)
+  assert sorted(at1.t) == ['a', 'c'] and at1.t.c is state.t.c
+  (at2,) = direct.Joined((at1,), (state,), 2)
+  assert at2.t.b is state.t.b and at2.x is state.x
+  (grads,) = direct.ArgGrads((NestedMap(x=1, t=NestedMap(a=2, b=3, c=4)),), 2)
+  assert grads == NestedMap(x=1, t=NestedMap(a=2, c=4))  # b's gradient stays at chunk 2.
+  (grads,) = direct.ArgGrads((NestedMap(x=1, t=NestedMap(a=2)),), 0)
+  assert grads == NestedMap(x=1, t=NestedMap(a=2, b=None, c=None))
+  assert not direct_inputs.DirectInputs(['t.b'], {}, (state,), 1)  # One chunk: nothing apart.
 
 
 def _LmStack(**kwargs):
   p = layers_with_gpipe.GPipeTransformerStack.Params().Set(
-      name='lm', model_dim=8, num_heads=2, hidden_dim=16, num_decoder_layers=4, splits=4,
-      num_micro_batches=2, schedule='1f1b', max_seq_len=6, **kwargs)
+      **dict(dict(name='lm', model_dim=8, num_heads=2, hidden_dim=16, num_decoder_layers=4,
+                  splits=4, num_micro_batches=2, schedule='1f1b', max_seq_len=6), **kwargs))
   p.emb_tpl.vocab_size = p.softmax_tpl.num_classes = 7
   return p.Instantiate()
 
@@ -246,3 +256,38 @@ def testAStacksIntegersReachOnlyTheirChunks():
   assert int_inputs[(True, 'chunk1')] == int_inputs[(True, 'chunk2')] == set()
   assert int_inputs[(True, 'chunk3')] == {6}  # labels
   assert int_inputs[(False, 'chunk2')] == {6}  # Sent through: the labels ride along.
+
+
+def testATranslationModelsTargetSkipsTheEncodersChunks():
+  """The target stream joins at its embedding's chunk, its labels at the last: exact, and
+  the encoder's chunks take no target field."""
+  rng = np.random.RandomState(1)
+  src, tgt = (tf.constant(rng.randint(0, 7, [4, 6]), tf.int32) for _ in range(2))
+  state = NestedMap(
+      src=NestedMap(ids=src, paddings=tf.zeros([4, 6])),
+      tgt=NestedMap(ids=tgt, labels=tf.roll(tgt, -1, 1), paddings=tf.zeros([4, 6]),
+                    weights=tf.constant(rng.rand(4, 6), tf.float32)))
+
+  def Loss(out):
+    return tf.reduce_sum(out.xent * out.weights) / tf.reduce_sum(out.weights), tf.reduce_sum(
+        out.weights)
+
+  results, inputs = [], {}
+  for paths in (None, []):
+    tf.random.set_seed(3)
+    # Layers: src_emb, enc0, enc1, tgt_emb, dec0, dec1, softmax; cells end at 2, 3, 5, 7.
+    stack = _LmStack(last_chunk_inputs=paths, num_encoder_layers=2, num_decoder_layers=2,
+                     splits=[2, 3, 5, 7])
+    step = tf.function(lambda: stack.ForwardBackward(stack.theta, state, Loss))
+    loss, grads = step()
+    results.append([loss.numpy()] + [g.numpy() for g in tf.nest.flatten(grads)])
+    for op in step.get_concrete_function().graph.get_operations():
+      if op.type in ('PartitionedCall', 'StatefulPartitionedCall') and '_F' in op.name:
+        inputs.setdefault((paths is None, op.name.split('/')[0].split('_')[0]), []).append(
+            len(op.inputs))
+  for a, b in zip(*results):
+    np.testing.assert_array_equal(a, b)
+  # Per chunk, its forward call's inputs: fewer where the target skips (chunks 0 and 1: its
+  # ids, labels, paddings and weights) or its labels and weights do (chunk 2).
+  for chunk, fewer in (('chunk0', 4), ('chunk1', 4), ('chunk2', 2), ('chunk3', 0)):
+    assert {n + fewer for n in inputs[(True, chunk)]} == set(inputs[(False, chunk)]), chunk

@@ -100,11 +100,17 @@ class _GPipeStack(gpipe.PipeliningLayer):
     """The stack's layers across all cells, in order."""
     return [layer for cell in self.cell for layer in cell.sub]
 
-  def DefaultLastChunkInputs(self):
-    """What only the softmax reads: its stream's labels and weights (or a decoding step's
-    positions), sent straight to the last chunk (direct_inputs.py)."""
+  def DefaultDirectInputs(self):
+    """What later chunks read only, sent straight to them (direct_inputs.py): the softmax's
+    labels and weights (or a decoding step's positions) to the last chunk, and a stream
+    embedded after the first chunk (a translation model's target) to its embedding's."""
     stream = self.Layers()[-1].params.stream
-    return [f'{stream}.{key}' for key in ('labels', 'weights', 'decode_positions')]
+    joins = {f'{stream}.{key}': -1 for key in ('labels', 'weights', 'decode_positions')}
+    for c, cell in enumerate(self.cell):
+      for layer in cell.sub:
+        if isinstance(layer, state_layers.GPipeEmbeddingLayer):
+          joins.update({f'{layer.params.stream}.{key}': c for key in ('ids', 'paddings')})
+    return joins
 
   # -- the params API (lingvo_gpipe/pipeline/pipeline_params.py) ------------------
 

@@ -1,11 +1,13 @@
-"""Inputs that only the last chunk reads, sent to it straight from where the batch is split.
+"""Inputs that only later chunks read, sent to them straight from where the batch is split.
 
 A chunk's input is the chunk before's output, so a field of the first chunk's input that
 only the last chunk reads (a language model's labels and weights) rides through every
 stage: one copy per hand-over, and on GPUs, where TensorFlow keeps int32 tensors in host
 memory, a host-device copy each way per stage. The fields named here leave the first
-chunk's input and join the last chunk's, taken from the micro-batch's rows of the batch:
-one transfer, whatever K. Numbers do not change: the last chunk reads the same rows.
+chunk's input and join the last chunk's (or, by a class's defaults, the chunk that first
+reads them: a translation model's target stream skips the encoder's), taken from the
+micro-batch's rows of the batch: one transfer, whatever K. Numbers do not change: the
+chunk reads the same rows.
 
 A path is a '.'-separated key into the first argument, a NestedMap (e.g. 'tgt.labels').
 """
@@ -59,68 +61,90 @@ def CheckPaths(paths) -> None:
 
 
 class DirectInputs:
-  """The fields of one pass's inputs that go straight to its last chunk.
+  """The fields of one pass's inputs that skip chunks: each joins the input of one chunk
+  (the last, for last_chunk_inputs), taken from the micro-batch's rows of the batch.
 
   Args:
-    paths: the params' last_chunk_inputs: the paths to send straight (one missing from
-      the inputs is a ValueError), or None for `defaults`.
-    defaults: the class's paths, sent straight only where the inputs have them (a
-      decoding step's input has no labels).
+    paths: the params' last_chunk_inputs: the paths sent straight to the last chunk (one
+      missing from the inputs is a ValueError), or None for `defaults`.
+    defaults: the class's {path: the chunk it joins, -1 for the last}, each sent so only
+      where the inputs have it (a decoding step's input has no labels).
     first_args: the first chunk's argument tuple of one micro-batch (its structure).
     num_chunks: C; with one chunk nothing is sent apart.
   """
 
-  def __init__(self, paths: Optional[Sequence[str]], defaults: Sequence[str],
-               first_args: tuple, num_chunks: int):
-    self.paths = []
-    paths, optional = ([], list(defaults)) if paths is None else (list(paths), [])
-    if num_chunks == 1 or not (paths or optional):
+  def __init__(self, paths: Optional[Sequence[str]], defaults: dict, first_args: tuple,
+               num_chunks: int):
+    self.joins = {}  # path -> the chunk whose input it joins
+    wanted = dict(defaults) if paths is None else {path: -1 for path in paths}
+    if num_chunks == 1 or not wanted:
       return
     if len(first_args) != 1 or not isinstance(first_args[0], dict):
-      raise ValueError(f'last_chunk_inputs={list(paths) or list(optional)} name fields of a '
-                       'NestedMap, but the first cell takes '
-                       f'{tuple(type(a).__name__ for a in first_args)}: expected one NestedMap.')
-    for path in list(paths) + [p for p in optional if p not in paths]:
+      raise ValueError(f'last_chunk_inputs={list(wanted)} name fields of a NestedMap, but the '
+                       f'first cell takes {tuple(type(a).__name__ for a in first_args)}: '
+                       'expected one NestedMap.')
+    for path, chunk in wanted.items():
       value = _Get(first_args[0], path.split('.'))
       if value is None:
-        if path in optional:
+        if paths is None:
           continue
         raise ValueError(f'last_chunk_inputs names {path!r}, which the pipeline input does not '
                          f'have; its fields: {sorted(_Paths(first_args[0]))}.')
       if isinstance(value, dict):
         raise ValueError(f'last_chunk_inputs names {path!r}, a NestedMap: expected the path of '
                          'a tensor.')
-      self.paths.append(path)
+      if chunk % num_chunks:  # One that the first chunk reads rides with its input.
+        self.joins[path] = chunk % num_chunks
 
   def __bool__(self):
-    return bool(self.paths)
+    return bool(self.joins)
 
-  def Without(self, args):
-    """(args without the paths' fields, those fields in path order)."""
+  def _At(self, chunk):
+    return [path for path, c in self.joins.items() if c == chunk]
+
+  def Without(self, args, paths=None):
+    """(args without the fields of `paths` (None: all that skip chunks), those fields)."""
     state, side = args[0], []
-    for path in self.paths:
+    for path in self.joins if paths is None else paths:
       state, value = _Pop(state, path.split('.'))
       side.append(value)
     return (state,) + tuple(args[1:]), side
 
-  def Joined(self, args, side, chunk: int):
-    """`args` of the last chunk with the `side` fields put back; a ValueError if the chunk
-    before left one of them in its output (a layer that writes it must run last)."""
+  def Joined(self, args, first_args, chunk: int):
+    """Chunk `chunk`'s `args` with the fields that join it put back from `first_args` (the
+    micro-batch's first-chunk arguments); a ValueError if the chunk before left one in its
+    output (a field that a layer writes cannot skip chunks)."""
     state = args[0]
-    for path, value in zip(self.paths, side):
+    for path in self._At(chunk):
       keys = path.split('.')
       if _Get(state, keys) is not None:
-        raise ValueError(f'Chunk {chunk - 1} outputs {path!r}, which last_chunk_inputs sends '
-                         f'straight to chunk {chunk}: a field a layer before the last chunk '
-                         'writes cannot be sent apart; leave it out of last_chunk_inputs.')
-      state = _Put(state, keys, value)
+        raise ValueError(f'Chunk {chunk - 1} outputs {path!r}, which is sent straight to chunk '
+                         f'{chunk} (last_chunk_inputs): a field a layer before it writes cannot '
+                         'be sent apart; leave it out of last_chunk_inputs.')
+      state = _Put(state, keys, _Get(first_args[0], keys))
     return (state,) + tuple(args[1:])
 
+  def ArgGrads(self, d_args, chunk: int):
+    """Chunk `chunk`'s input gradients as the chunk before takes them: without those of the
+    fields that joined here; at the first chunk, None for every field that skipped it."""
+    d_args = self.Without(d_args, self._At(chunk))[0]
+    if chunk:
+      return d_args
+    state = d_args[0]
+    for path in self.joins:
+      state = _Put(state, path.split('.'), None)
+    return (state,) + tuple(d_args[1:])
+
+  def Skipping(self, chunk: int) -> dict:
+    """{path: the chunk it joins} of the fields that skip chunk `chunk`."""
+    return {path: c for path, c in self.joins.items() if c > chunk}
+
   def Explain(self, chunk: int, error: Exception) -> str:
-    """Why chunk `chunk` (not the last) failed reading a field it was not given."""
-    return (f'Pipeline chunk {chunk} failed on a field it lacks ({error}): last_chunk_inputs '
-            f'sends {self.paths} only to the last chunk; a path that an earlier chunk reads '
-            'must be left out of it.')
+    """Why chunk `chunk` failed reading a field it was not given."""
+    return (f'Pipeline chunk {chunk} failed on a field it lacks ({error}): these fields are '
+            'sent straight to later chunks (path: chunk; last_chunk_inputs): '
+            f'{self.Skipping(chunk)}; a field that an earlier chunk reads must be left out of '
+            'last_chunk_inputs.')
 
 
 def _Paths(structure, prefix=''):

@@ -164,7 +164,7 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
         out, acts, updates = self.functions[c].Forward(
             self.thetas[c], args, self._Where(m, device), self.step, self.training)
       except (AttributeError, KeyError) as e:
-        if self.direct and c < self.num_chunks - 1:
+        if self.direct.Skipping(c):
           raise ValueError(self.direct.Explain(c, e)) from e
         raise
     if taped:
@@ -185,7 +185,7 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
   def _HandOn(self, m, c, d_args):
     """Leaves chunk c's input gradient for chunk c-1 (a send, SB, follows where that is
     elsewhere), or as the pass's input gradient."""
-    d_args = self._ChunkArgGrads(m, c, d_args)
+    d_args = self._ChunkArgGrads(c, d_args)
     if c == 0:
       self.input_grads[m] = d_args
     else:

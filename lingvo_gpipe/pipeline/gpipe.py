@@ -123,7 +123,8 @@ class PipeliningLayer(base_layer.BaseLayer):
              "Paths of the first cell's NestedMap input (e.g. 'tgt.labels') that only the last "
              'chunk reads: sent to it straight from the batch, not handed through every stage '
              "(lingvo_gpipe/pipeline/direct_inputs.py). None: the class's choice (a GPipe "
-             "stack's: its softmax's labels and weights); [] sends everything through.")
+             "stack's: its softmax's labels and weights, and a stream embedded after the first "
+             "chunk to its embedding's); [] sends everything through.")
     p.Define('jit_compile', False,
              "Compile each cell's forward and backward step with XLA (placement and the "
              "pipeline between the steps stay outside the compiled functions); needs remat="
@@ -425,10 +426,10 @@ class PipeliningLayer(base_layer.BaseLayer):
       outputs = outputs[0]
     return (outputs, acts) if acts else outputs
 
-  def DefaultLastChunkInputs(self) -> list:
-    """The paths sent straight to the last chunk where the input has them and the params'
-    last_chunk_inputs is None: none here."""
-    return []
+  def DefaultDirectInputs(self) -> dict:
+    """Where the params' last_chunk_inputs is None: {path: the chunk it is sent straight to,
+    -1 for the last}, for the paths the input has (direct_inputs.py); none here."""
+    return {}
 
   def ChunkThetas(self, theta):
     """Each chunk's theta as tensors read on that chunk's device."""

@@ -78,9 +78,9 @@ class PassState:
     self.num_micro_batches = len(micro_args)
     self.micro_args = micro_args
     self.inputs = {(m, 0): args for m, args in enumerate(micro_args)}
-    # The fields that go from the batch straight to the last chunk (direct_inputs.py).
+    # The fields that go from the batch straight to a later chunk (direct_inputs.py).
     self.direct = direct_inputs.DirectInputs(layer.params.last_chunk_inputs,
-                                             layer.DefaultLastChunkInputs(), micro_args[0],
+                                             layer.DefaultDirectInputs(), micro_args[0],
                                              self.num_chunks)
     self.tapes = {}
     self.pending_w = {}
@@ -138,26 +138,18 @@ class PassState:
 
   def _ChunkArgs(self, m, c, args):
     """Chunk c's arguments of micro-batch m from `args` (the batch's rows for the first, the
-    chunk before's output for others): the first chunk's lack the direct inputs, the last
-    chunk's get them back (direct_inputs.py)."""
+    chunk before's output for others): the first chunk's lack the fields that skip chunks,
+    those that join chunk c are put back (direct_inputs.py)."""
     if not self.direct:
       return args
     if c == 0:
-      return self.direct.Without(args)[0]
-    if c == self.num_chunks - 1:
-      return self.direct.Joined(args, self.direct.Without(self._FirstArgs(m))[1], c)
-    return args
+      args = self.direct.Without(args)[0]
+    return self.direct.Joined(args, self._FirstArgs(m), c)
 
-  def _ChunkArgGrads(self, m, c, d_args):
-    """Chunk c's input gradients as the chunk before (or the pass's caller) takes them: the
-    direct inputs' gradients dropped where they came in, and None for them at the first."""
-    if not self.direct or d_args is None:
-      return d_args
-    if c == self.num_chunks - 1:
-      d_args = self.direct.Without(d_args)[0]
-    if c == 0:
-      d_args = self.direct.Joined(d_args, [None] * len(self.direct.paths), c)
-    return d_args
+  def _ChunkArgGrads(self, c, d_args):
+    """Chunk c's input gradients as the chunk before (or the pass's caller) takes them
+    (DirectInputs.ArgGrads)."""
+    return d_args if not self.direct or d_args is None else self.direct.ArgGrads(d_args, c)
 
   def MicroBatchRows(self, whole, parts, m):
     """Micro-batch m's rows of `whole`, which `parts` splits as the inputs are (labels): in a
