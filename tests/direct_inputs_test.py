@@ -176,8 +176,9 @@ def testEvalAndTapeForwards():
 
 def testAnEarlierChunkReadingOneIsAClearError():
   pipe = _Pipe('1f1b', first=_ReadsY)
-  with pytest.raises(ValueError, match=r"chunk 0 failed on a field it lacks .*"
-                     r"\(path: chunk; last_chunk_inputs\): \{'y': 3, 'target.weight': 3\}"):
+  with pytest.raises(ValueError, match=r"chunk 0 failed on a field it lacks \(.*keys: \['target', 'x'\]\)\. "
+                     r"last_chunk_inputs sends these from the batch straight to later chunks: "
+                     r"'y' to chunk 3, 'target.weight' to chunk 3;"):
     pipe.ForwardBackward(pipe.theta, _Inputs(), _Loss)
 
 
@@ -185,7 +186,7 @@ def testAnEarlierChunkWritingOneIsAClearError():
   pipe = _Pipe('1f1b', first=_WritesY, paths=['target.weight'])
   pipe.ForwardBackward(pipe.theta, _Inputs(), _Loss)  # y is not sent apart: fine.
   pipe = _Pipe('1f1b', first=_WritesY, paths=['y'])
-  with pytest.raises(ValueError, match=r"Chunk 2 outputs 'y', which is sent straight to chunk 3"):
+  with pytest.raises(ValueError, match=r"A layer of chunk 0 writes 'y', which is sent straight from the batch to chunk 3"):
     pipe.ForwardBackward(pipe.theta, _Inputs(), _Loss)
 
 

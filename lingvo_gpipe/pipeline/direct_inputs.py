@@ -112,17 +112,23 @@ class DirectInputs:
 
   def Joined(self, args, first_args, chunk: int):
     """Chunk `chunk`'s `args` with the fields that join it put back from `first_args` (the
-    micro-batch's first-chunk arguments); a ValueError if the chunk before left one in its
-    output (a field that a layer writes cannot skip chunks)."""
+    micro-batch's first-chunk arguments)."""
     state = args[0]
     for path in self._At(chunk):
       keys = path.split('.')
-      if _Get(state, keys) is not None:
-        raise ValueError(f'Chunk {chunk - 1} outputs {path!r}, which is sent straight to chunk '
-                         f'{chunk} (last_chunk_inputs): a field a layer before it writes cannot '
-                         'be sent apart; leave it out of last_chunk_inputs.')
       state = _Put(state, keys, _Get(first_args[0], keys))
     return (state,) + tuple(args[1:])
+
+  def CheckOutput(self, out, chunk: int) -> None:
+    """A ValueError if chunk `chunk`'s output holds a field that skips the next chunk: a
+    layer of this chunk wrote it, and a field a layer writes cannot be sent apart."""
+    state = out[0] if isinstance(out, tuple) and out else out
+    for path, c in self.Skipping(chunk).items():
+      if isinstance(state, dict) and _Get(state, path.split('.')) is not None:
+        raise ValueError(f'A layer of chunk {chunk} writes {path!r}, which is sent straight '
+                         f'from the batch to chunk {c} (last_chunk_inputs): a field that a '
+                         'layer before that chunk writes cannot be sent apart; leave it out of '
+                         'last_chunk_inputs.')
 
   def ArgGrads(self, d_args, chunk: int):
     """Chunk `chunk`'s input gradients as the chunk before takes them: without those of the
@@ -141,10 +147,10 @@ class DirectInputs:
 
   def Explain(self, chunk: int, error: Exception) -> str:
     """Why chunk `chunk` failed reading a field it was not given."""
-    return (f'Pipeline chunk {chunk} failed on a field it lacks ({error}): these fields are '
-            'sent straight to later chunks (path: chunk; last_chunk_inputs): '
-            f'{self.Skipping(chunk)}; a field that an earlier chunk reads must be left out of '
-            'last_chunk_inputs.')
+    sent = ', '.join(f'{path!r} to chunk {c}' for path, c in self.Skipping(chunk).items())
+    return (f'Pipeline chunk {chunk} failed on a field it lacks ({str(error).rstrip(".")}). '
+            f'last_chunk_inputs sends these from the batch straight to later chunks: {sent}; '
+            'a field that an earlier chunk reads must be left out of last_chunk_inputs.')
 
 
 def _Paths(structure, prefix=''):

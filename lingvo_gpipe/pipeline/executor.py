@@ -174,6 +174,7 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
     self.updates += updates
     self.acts[key] = acts
     if c + 1 < self.num_chunks:
+      self.direct.CheckOutput(out, c)
       self.inputs[(m, c + 1)] = out  # A send (SF) follows where chunk c + 1 is elsewhere.
     else:
       if self.keep_outputs:
