@@ -242,6 +242,28 @@ def testBadStepsAndAnEndlessEvaluationAreClearErrors(tmp_path):
       estimator.Estimator.from_registry(_MODEL, _Config(tmp_path, **{name: 0}))
 
 
+def testStepsCancelledByAnOpFailingInAChunkRaiseThatOpsError(tmp_path):
+  """toy.regression.FailsOnBatch2 fails inside stage 2 on training batch 2 and Dev batch 1,
+  which TensorFlow may report only as CancelledError: train and evaluate then run that step
+  again eagerly on the same batch and raise the op's own error; steps 0 and 1 stay trained."""
+  model = 'toy.regression.FailsOnBatch2'
+  est = estimator.Estimator.from_registry(
+      model, _Config(tmp_path, iterations_per_loop=4, save_checkpoints_steps=2))
+  with pytest.raises(ValueError, match='Pipeline cell 2 .* FailsOnNonFinite: a non-finite '
+                     'activation') as raised:
+    est.train(estimator.RegistryInputFn(model, 'Train'), steps=6)
+  assert raised.value.__notes__ == [errors.RERUN_NOTE]
+  assert est.global_step == 2  # The failed step's update did not run (its loss's check).
+  assert not tf.config.functions_run_eagerly()
+  # A forward alone: TensorFlow itself reports the op's InvalidArgumentError in about 1 of 2
+  # runs; else the rerun raises the layer's ValueError naming its cell.
+  with pytest.raises((ValueError, tf.errors.InvalidArgumentError),
+                     match='FailsOnNonFinite: a non-finite activation') as raised:
+    est.evaluate(estimator.RegistryInputFn(model, 'Dev'))
+  assert (getattr(raised.value, '__notes__', None) == [errors.RERUN_NOTE]) != isinstance(
+      raised.value, tf.errors.InvalidArgumentError)
+
+
 def testAnInputFnOfNoParamsOrThatReturnsNoDatasetIsAClearError(tmp_path):
   est = estimator.Estimator.from_registry(_MODEL, _Config(tmp_path))
   with pytest.raises(errors.UserError, match=r"input_fn must take one argument, params .*"

@@ -261,6 +261,23 @@ def testNanStopsTrainingAndKeepsTheLastGoodCheckpoint(tmp_path):
       f'trainer: error: eval_dev of {train_dir}/ckpt-4 (step 4): loss nan not finite.'], err
 
 
+def testAStepCancelledByAnOpFailingInAChunkRaisesThatOpsError(tmp_path):
+  """toy.regression.FailsOnBatch2's step 2, in the middle of a loop call of 4 steps, fails
+  inside stage 2 on its batch, which TensorFlow reports only as CancelledError: the trainer
+  runs that step again eagerly on the same batch and raises the op's own error."""
+  from lingvo_gpipe.foundation import errors  # pylint: disable=g-import-not-at-top
+  logdir = str(tmp_path / 'log')
+  code, _, err = _Run(f'--logdir={logdir}', '--steps_per_loop=4',
+                      '--model_params_override=train.save_interval_steps : 6',
+                      model='toy.regression.FailsOnBatch2')
+  lines = err.strip().splitlines()
+  assert code == 1 and lines[-1] == errors.RERUN_NOTE, err[-3000:]
+  assert lines[-2].startswith('ValueError: Pipeline cell 2 (regression/stack/cell2) failed on '
+                              'the output of cell 1'), err[-3000:]
+  assert 'FailsOnNonFinite: a non-finite activation' in lines[-2]
+  assert 'running it again eagerly to find the op that failed' in err
+
+
 def testKill9MidRunThenCleanResume(tmp_path):
   logdir = str(tmp_path / 'log')
   train_dir = os.path.join(logdir, 'train')

@@ -13,6 +13,7 @@ global step, so training continues with the batches it has not seen.
 
 import dataclasses
 import datetime
+import functools
 import os
 import re
 import time
@@ -309,7 +310,8 @@ def RunTraining(loop_fn: Callable[..., py_utils.NestedMap], iterator: Iterator,
                 global_step: tf.Variable, checkpointer: checkpointer_lib.Checkpointer,
                 writer: tf.summary.SummaryWriter, settings: LoopSettings, batch_size: int | None,
                 pipeline_stats: PipelineStats | None = None, stop=None,
-                log_progress: Callable[..., None] = logging.info) -> int:
+                log_progress: Callable[..., None] = logging.info,
+                rerun_step: Callable[[int], Any] | None = None) -> int:
   """Trains until settings.max_steps, the end of the input or a stop; returns the global step.
 
   Args:
@@ -326,6 +328,9 @@ def RunTraining(loop_fn: Callable[..., py_utils.NestedMap], iterator: Iterator,
       (preemption.StopOnSignals): checked before each loop call; the steps
       done are saved.
     log_progress: logs the progress line (a %-format and its arguments).
+    rerun_step: None, or rerun_step(global_step) runs the forward and backward of that
+      step's batch; a step that fails as CancelledError is run again by it eagerly, to
+      raise the error of the op that failed (errors.ExplainingCancelledSteps).
 
   Raises:
     NonFiniteError: when a step's loss, gradients or new weights are not finite;
@@ -344,8 +349,9 @@ def RunTraining(loop_fn: Callable[..., py_utils.NestedMap], iterator: Iterator,
     if pipeline_stats is not None and not measure:
       num_steps = min(num_steps, pipeline_stats.every - (step + 1) % pipeline_stats.every)
     start = time.time()
+    rerun = rerun_step and (lambda: rerun_step(int(global_step.numpy())))
     try:
-      with errors.ExplainingCancelledSteps():
+      with errors.ExplainingCancelledSteps(rerun):
         if measure:
           out, timeline = pipeline_stats.step_fn(iterator)
         else:
@@ -403,7 +409,8 @@ def Evaluate(eval_fn: Callable[[Any], py_utils.NestedMap], dataset: tf.data.Data
   tf.data cannot know) is seen running.
 
   Args:
-    eval_fn: batch -> NestedMap name -> (value, weight).
+    eval_fn: batch -> NestedMap name -> (value, weight); a batch that fails as
+      CancelledError is run again by it eagerly (errors.ExplainingCancelledSteps).
     dataset: the batches; evaluation stops at its end or after num_batches.
     num_batches: at most this many batches; None for the whole dataset.
 
@@ -422,7 +429,7 @@ def Evaluate(eval_fn: Callable[[Any], py_utils.NestedMap], dataset: tf.data.Data
   sums, weights, count = {}, {}, 0
   start = last = time.monotonic()
   for batch in dataset:
-    with errors.ExplainingCancelledSteps():
+    with errors.ExplainingCancelledSteps(functools.partial(eval_fn, batch)):
       metrics = eval_fn(batch)
     for name, (value, weight) in metrics.items():
       sums[name] = sums.get(name, 0.0) + float(value) * float(weight)

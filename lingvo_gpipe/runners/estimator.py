@@ -329,10 +329,15 @@ class Estimator:
     checkpointer.Recover()
     loop_fn = self._Function('train', dataset.element_spec, lambda: self._learner.BuildLoop(
         dataset.element_spec, self._ForwardBackward))
+    def RerunStep(step):
+      batch = next(iter(self._Dataset(input_fn, ModeKeys.TRAIN, start_batch=step)))
+      self._learner.StepForwardBackward(self._ForwardBackward, batch,
+                                        tf.constant(step, tf.int64))
+
     base_runner.RunTraining(loop_fn, iter(dataset), self._global_step, checkpointer,
                             self._Writer(self.model_dir), self._config.LoopSettings(target),
                             base_runner.BatchSize(dataset.element_spec),
-                            log_progress=_LogProgress)
+                            log_progress=_LogProgress, rerun_step=RerunStep)
 
   def evaluate(self, input_fn: Callable[..., tf.data.Dataset],
                steps: Optional[int] = None) -> dict[str, Any]:

@@ -176,10 +176,16 @@ def _Train(model_params: hyperparams.Params, settings: base_runner.LoopSettings,
   logging.info('Training %s from step %d to train.max_steps=%d (--max_steps=N to change). '
                'Checkpoints: %s; TensorBoard: tensorboard --logdir=%s', model_params.name, step,
                settings.max_steps, train_dir, logdir)
+  def RerunStep(step):
+    with tf.device(input_device):
+      batch = next(iter(generator.Dataset(start_batch=step)))
+    learner.StepForwardBackward(ForwardBackward, batch, tf.constant(step, tf.int64))
+
   step = base_runner.RunTraining(loop_fn, iterator, global_step, checkpointer, writer,
                                  settings, batch_size,
                                  _PipelineStats(task, learner, ForwardBackward, train_dir,
-                                                pipeline_stats_every), stop)
+                                                pipeline_stats_every), stop,
+                                 rerun_step=RerunStep)
   if stop:
     stop.Check(step, checkpointer.latest)
   logging.info('Trained to step %d. Latest checkpoint: %s; TensorBoard: tensorboard --logdir=%s',

@@ -119,10 +119,17 @@ class Learner:
     self.global_step.assign(step + tf.cast(out.finite, tf.int64))
     return out
 
-  def _TrainStep(self, forward_backward_fn, element, step, step_stats=None):
+  def StepForwardBackward(self, forward_backward_fn: Callable[[Any], tuple], element, step,
+                          step_stats=None) -> tuple:
+    """forward_backward_fn(element) under the FProp context of training step `step`, as
+    the loop runs it; also how a failed step is run again (errors.ExplainingCancelledSteps)."""
     scale = None if self.loss_scale is None else self.loss_scale.scale.read_value()
     with py_utils.Context(step=step, step_stats=step_stats, loss_scale=scale):
-      metrics, grads_and_vars = forward_backward_fn(element)
+      return forward_backward_fn(element)
+
+  def _TrainStep(self, forward_backward_fn, element, step, step_stats=None):
+    metrics, grads_and_vars = self.StepForwardBackward(forward_backward_fn, element, step,
+                                                       step_stats)
     return self.Apply(step, metrics, grads_and_vars)
 
   def BuildLoop(self, element_spec, forward_backward_fn: Callable[[Any], tuple]) -> Callable:

@@ -1,6 +1,7 @@
 """A tiny pipelined regression experiment for the trainer and Estimator tests.
 
-Registered as toy.regression.PipelinedRegression once this directory is
+Registered as toy.regression.PipelinedRegression (and FailsOnBatch2, whose step 2 fails
+inside a chunk) once this directory is
 imported (LINGVO_GPIPE_PARAMS=tests/testdata/params or
 model_registry.ImportParams). Two pipeline stages, two micro-batches, a few
 hundred parameters: a step takes milliseconds, so tests pay mostly for
@@ -10,11 +11,13 @@ starting TensorFlow.
 import tensorflow as tf
 
 from lingvo_gpipe import layers
+from lingvo_gpipe.foundation import base_layer
 from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.inputs import base_input_generator
 from lingvo_gpipe.models import base_model
 from lingvo_gpipe.models import base_model_params
 from lingvo_gpipe.models import model_registry
+from lingvo_gpipe.models import tasks
 from lingvo_gpipe.pipeline import gpipe
 
 
@@ -25,11 +28,13 @@ class RegressionInput(base_input_generator.BaseInputGenerator):
   def Params(cls):
     p = super().Params()
     p.Define('input_dim', 4, 'Features per example.')
+    p.Define('infinite_example', -1, 'If >= 0, the index of an example whose x is infinite.')
     return p
 
   def ExampleAt(self, index):
     dim = self.params.input_dim
     x = tf.random.stateless_normal([dim], self.ExampleSeed(index))
+    x = tf.where(index == self.params.infinite_example, float('inf'), x)
     y = tf.reduce_sum(x * tf.range(1.0, dim + 1.0), keepdims=True)
     return py_utils.NestedMap(x=x, y=y)
 
@@ -103,4 +108,39 @@ class PipelinedRegression(base_model_params.SingleTaskModelParams):
     p = super().Model()
     p.train.Set(max_steps=6, save_interval_steps=2, summary_interval_steps=1,
                 log_interval_steps=1)
+    return p
+
+
+class FailsOnNonFinite(base_layer.BaseLayer):
+  """x, or an InvalidArgumentError when the step runs on a non-finite x: an op deep in a
+  model that fails on bad data."""
+
+  def FProp(self, theta, x):
+    del theta  # No variables.
+    return tf.debugging.assert_all_finite(x, 'FailsOnNonFinite: a non-finite activation')
+
+
+@model_registry.RegisterSingleTaskModel
+class FailsOnBatch2(PipelinedRegression):
+  """Four stages under 1F1B, the third's first layer failing on training batch 2 and Dev
+  batch 1 (whose first x is infinite): TensorFlow reports those steps as CancelledError."""
+
+  def Train(self):
+    return super().Train().Set(infinite_example=16)
+
+  def Dev(self):
+    return super().Dev().Set(infinite_example=8)
+
+  def Task(self):
+    def Projection(name, output_dim=8, input_dim=8):
+      return layers.ProjectionLayer.Params().Set(name=name, input_dim=input_dim,
+                                                 output_dim=output_dim)
+    stack = [Projection('in', input_dim=4), Projection('a'), Projection('b'),
+             FailsOnNonFinite.Params().Set(name='fails'), Projection('c'),
+             Projection('out', output_dim=1)]
+    p = tasks.SequentialStackTask.Params().Set(
+        name='regression', loss='mse', stack=gpipe.PipeliningLayer.Params().Set(
+            cell_tpl=gpipe.CellsFromEnds(stack, [2, 3, 5, 6]), num_micro_batches=4,
+            schedule='1f1b'))
+    p.train.learning_rate = 0.05
     return p
