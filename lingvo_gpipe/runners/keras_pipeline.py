@@ -62,6 +62,9 @@ from lingvo_gpipe.layers import keras_layer
 from lingvo_gpipe.pipeline import gpipe
 from lingvo_gpipe.pipeline import schedule as schedule_lib
 
+# The attribute that marks a Keras step function as rerunning its cancelled steps.
+_RERUNS = '_lingvo_gpipe_reruns_cancelled_steps'
+
 
 def _ComputeDType(config: dict[str, Any]) -> tf.DType:
   """The compute dtype of a serialized Keras layer's dtype policy."""
@@ -270,6 +273,49 @@ class PipelineModel(keras.Model):
     with py_utils.Context(training=training, step=step), autocast:
       return self._pipeline.FProp(self._pipeline.theta, inputs)
 
+  # An op failing in a chunk may surface as the other devices' CancelledError: each step
+  # function below runs such a step again eagerly on its batch, which raises the op's own
+  # error (errors.ExplainingCancelledSteps). Keras's train and test functions take the
+  # iterator; with steps_per_execution=1 they are given the batch taken out of it first.
+  # With more steps per call the batch stays inside Keras's loop: fit and evaluate then
+  # only say how to see the error.
+
+  def make_train_function(self, force=False):
+    super().make_train_function(force)
+    self.train_function = self._ByBatch(self.train_function, self._ForwardBackward)
+    return self.train_function
+
+  def make_test_function(self, force=False):
+    super().make_test_function(force)
+    self.test_function = self._ByBatch(self.test_function, self.test_step)
+    return self.test_function
+
+  def make_predict_function(self, force=False):
+    super().make_predict_function(force)
+    function = self.predict_function
+    if not getattr(function, _RERUNS, False):
+      def Predict(data):  # Keras hands its predict function the batches themselves.
+        with errors.ExplainingCancelledSteps(functools.partial(function, data)):
+          return function(data)
+
+      setattr(Predict, _RERUNS, True)
+      self.predict_function = Predict
+    return self.predict_function
+
+  def _ByBatch(self, function: Callable, rerun_fn: Callable) -> Callable:
+    """Keras's step `function` (iterator -> logs), called on the iterator's next batch
+    alone, whose cancelled step rerun_fn(batch) runs again eagerly."""
+    if self.steps_per_execution != 1 or getattr(function, _RERUNS, False):
+      return function
+
+    def Step(iterator):
+      batch = next(iterator)  # Its StopIteration ends the epoch, as Keras's own function's.
+      with errors.ExplainingCancelledSteps(functools.partial(rerun_fn, batch)):
+        return function([batch])  # Keras's function steps through any iterable of batches.
+
+    setattr(Step, _RERUNS, True)
+    return Step
+
   def fit(self, *args, **kwargs):
     """keras.Model.fit; a cancelled step says how to see the error of an op that failed
     in a chunk (errors.ExplainingCancelledSteps)."""
@@ -281,12 +327,6 @@ class PipelineModel(keras.Model):
     in a chunk (errors.ExplainingCancelledSteps)."""
     with errors.ExplainingCancelledSteps():
       return super().evaluate(*args, **kwargs)
-
-  def predict(self, *args, **kwargs):
-    """keras.Model.predict; a cancelled step says how to see the error of an op that failed
-    in a chunk (errors.ExplainingCancelledSteps)."""
-    with errors.ExplainingCancelledSteps():
-      return super().predict(*args, **kwargs)
 
   def train_step(self, data) -> dict[str, Any]:
     """One step of the schedule (module doc): ForwardBackward with compile()'s loss,
@@ -301,6 +341,24 @@ class PipelineModel(keras.Model):
       raise
 
   def _TrainStep(self, data) -> dict[str, Any]:
+    x, y, sample_weight, loss, grads, y_pred = self._ForwardBackward(data)
+    variables = self.trainable_variables
+    tf_variables = [v.value for v in variables]  # What theta holds (KerasLayer).
+    pipe = self._pipeline
+    by_ref = {v.ref(): g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
+    grads = [by_ref[v.ref()] for v in tf_variables]
+    loss = loss / self.optimizer.scale_loss(tf.ones([], loss.dtype))
+    loss, grads = self._WithRegularization(loss, grads, tf_variables)
+    if variables:
+      self.optimizer.apply_gradients(zip(grads, variables))
+    else:  # As Keras's own train_step: the loss is still computed and logged.
+      warnings.warn('The model does not have any trainable weights.', stacklevel=2)
+    self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
+    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+  def _ForwardBackward(self, data) -> tuple:
+    """(x, y, sample_weight, scaled loss, gradients of theta, outputs) of a batch: a
+    training step without its update."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     if self._compile_loss is None:
       raise ValueError(f'{self.name}: fit() trains the loss of compile(loss=...); none given.')
@@ -320,18 +378,7 @@ class PipelineModel(keras.Model):
       loss, grads, y_pred = pipe.ForwardBackward(pipe.theta, x, self._ScaledLoss,
                                                  labels=(y, sample_weight), with_outputs=True,
                                                  loss_reduction=loss_reduction)
-    variables = self.trainable_variables
-    tf_variables = [v.value for v in variables]  # What theta holds (KerasLayer).
-    by_ref = {v.ref(): g for v, g in zip(tf.nest.flatten(pipe.theta), tf.nest.flatten(grads))}
-    grads = [by_ref[v.ref()] for v in tf_variables]
-    loss = loss / self.optimizer.scale_loss(tf.ones([], loss.dtype))
-    loss, grads = self._WithRegularization(loss, grads, tf_variables)
-    if variables:
-      self.optimizer.apply_gradients(zip(grads, variables))
-    else:  # As Keras's own train_step: the loss is still computed and logged.
-      warnings.warn('The model does not have any trainable weights.', stacklevel=2)
-    self._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
-    return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    return x, y, sample_weight, loss, grads, y_pred
 
   def _LossReduction(self) -> str | None:
     """How compile()'s loss merges over micro-batches (loss_contract.py): 'mean' for Keras's
