@@ -9,6 +9,7 @@ chunk's GradientSum, a variable per weight on the chunk's device, in place.
 import tensorflow as tf
 
 from lingvo_gpipe.foundation import py_utils
+from lingvo_gpipe.pipeline import packed_theta
 from lingvo_gpipe.pipeline import step_timing
 from lingvo_gpipe.pipeline import weight_grads
 
@@ -173,6 +174,7 @@ class CellFunctions:
     self._weight_grad = Function(self._WeightGrad, **options)
     self._accumulate = Function(self._Accumulate, **options)
     self._zero = Function(self._Zero, **options)
+    self._packing = None  # How Weights packs the chunk's theta (packed_theta.py).
     self._plan = None  # B's last trace's weight_grads.WeightGradPlan (None: B takes W too).
     self.fused_split_reason = None  # Why the chunk's B takes the weight gradients too.
     self.grad_sum = GradientSum(device, f'{layer.path}/replica{replica}/chunk{chunk}')
@@ -182,13 +184,29 @@ class CellFunctions:
     """Whether B hands W what it needs (else B takes the weight gradients itself)."""
     return self._plan is not None
 
+  def Weights(self, theta):
+    """theta as the chunk's calls take it, made once a pass: packed (one input per dtype,
+    packed_theta.py) in a graph, theta itself eagerly and under XLA."""
+    if tf.executing_eagerly() or self._layer.params.jit_compile:
+      return theta
+    if self._packing is None:
+      self._packing = packed_theta.ThetaPacking(theta)
+    with tf.device(self._device), tf.name_scope(f'packed_weights{self._chunk}'):
+      return self._packing.Pack(theta)
+
+  def _Theta(self, weights):
+    """The theta of what Weights made."""
+    if isinstance(weights, packed_theta.Packed):
+      return self._packing.Unpack(weights)
+    return weights
+
   def _Fprop(self, theta, args):
     return self._layer.CellFProp(self._chunk, theta, args)
 
-  def _Forward(self, theta, args, where, step, training):
+  def _Forward(self, weights, args, where, step, training):
     updates = []
     with tf.device(self._device), _Context(self._layer, where, step, training, updates):
-      out, acts = self._Fprop(theta, args)
+      out, acts = self._Fprop(self._Theta(weights), args)
     stats = {}
     for layer, layer_stats in updates:
       stats.setdefault(layer.path, []).append(layer_stats)
@@ -197,8 +215,9 @@ class CellFunctions:
   def _Add(self, theta, d_theta, where, may_be_empty):
     return _AddToSum(self.grad_sum, theta, d_theta, where[1] if may_be_empty else 1)
 
-  def _Backward(self, theta, args, grads_in, where, step, training, clock, arg_grads,
+  def _Backward(self, weights, args, grads_in, where, step, training, clock, arg_grads,
                 may_be_empty):
+    theta = self._Theta(weights)
     with tf.device(self._device), _Context(self._layer, where, step, training, []):
       with tf.GradientTape(watch_accessed_variables=False) as tape:
         # Watched, an argument's gradient is taken even if not asked for.
@@ -209,8 +228,9 @@ class CellFunctions:
                                        theta)
       return d_args, self._Add(theta, d_theta, where, may_be_empty), recomputed
 
-  def _InputGrad(self, theta, args, grads_in, where, step, training, clock, arg_grads,
+  def _InputGrad(self, weights, args, grads_in, where, step, training, clock, arg_grads,
                  may_be_empty):
+    theta = self._Theta(weights)
     with tf.device(self._device), _Context(self._layer, where, step, training, []):
       with tf.GradientTape(watch_accessed_variables=False) as tape:
         Watch(tape, theta, args)  # Theta too, so that the frontier ops are recorded.
@@ -225,16 +245,17 @@ class CellFunctions:
                                              (args if arg_grads else (), self._plan.adjointed))
       return d_args if arg_grads else None, self._plan.saved, adjoints, None, recomputed
 
-  def _WeightGrad(self, theta, saved, adjoints, where, may_be_empty):
+  def _WeightGrad(self, weights, saved, adjoints, where, may_be_empty):
+    theta = self._Theta(weights)
     with tf.device(self._device):
       d_theta = self._plan.WeightGradients(theta, saved, adjoints)
       d_theta = tf.nest.pack_sequence_as(theta, py_utils.Replaced(
           [None] * len(tf.nest.flatten(theta)), _FloatPositions(theta), d_theta))
       return self._Add(theta, _ZerosWhereNone(theta, d_theta), where, may_be_empty)
 
-  def _Accumulate(self, theta, d_theta, where, may_be_empty):
+  def _Accumulate(self, weights, d_theta, where, may_be_empty):
     with tf.device(self._device):
-      return self._Add(theta, d_theta, where, may_be_empty)
+      return self._Add(self._Theta(weights), d_theta, where, may_be_empty)
 
   def _Zero(self, theta):
     with tf.device(self._device):
@@ -244,34 +265,35 @@ class CellFunctions:
     """The token of starting grad_sum at zero."""
     return self._zero(theta)
 
-  def Forward(self, theta, args, where, step, training):
-    """(outputs, activations, [(layer, stats)]) of the chunk; `where` is the micro-batch's
-    (offset in the whole batch, size), `step` the training step (tensors)."""
-    out, acts, stats = self._forward(theta, args, where, step, training)
+  def Forward(self, weights, args, where, step, training):
+    """(outputs, activations, [(layer, stats)]) of the chunk; `weights` is theta or
+    Weights(theta) (theta itself under a caller's tape), `where` the micro-batch's (offset in
+    the whole batch, size), `step` the training step (tensors)."""
+    out, acts, stats = self._forward(weights, args, where, step, training)
     by_path = self._layer.cell[self._chunk].LayersByPath()
     return out, acts, [(by_path[path], s) for path in sorted(stats) for s in stats[path]]
 
-  def Backward(self, theta, args, grads_in, where, step, training, rows, clock=None,
+  def Backward(self, weights, args, grads_in, where, step, training, rows, clock=None,
                arg_grads=True):
     """(input grads (None without arg_grads), the token of adding the weight gradients to
     grad_sum, the time the recompute ended if a clock is given); `rows` is the micro-batch's
     (may_be_empty)."""
-    return self._backward(theta, args, grads_in, where, step, training, clock, arg_grads,
+    return self._backward(weights, args, grads_in, where, step, training, clock, arg_grads,
                           _MayBeEmpty(rows))
 
-  def InputGrad(self, theta, args, grads_in, where, step, training, rows, clock=None,
+  def InputGrad(self, weights, args, grads_in, where, step, training, rows, clock=None,
                 arg_grads=True):
     """(input grads, what W takes (saved, adjoints), the token of adding the weight gradients
     if B took them (not `splits`) else None, the recompute's end stamp)."""
     d_args, saved, adjoints, added, recomputed = self._input_grad(
-        theta, args, grads_in, where, step, training, clock, arg_grads, _MayBeEmpty(rows))
+        weights, args, grads_in, where, step, training, clock, arg_grads, _MayBeEmpty(rows))
     return d_args, (saved, adjoints), added, recomputed
 
-  def WeightGrad(self, theta, pending, where, rows):
+  def WeightGrad(self, weights, pending, where, rows):
     """The token of adding the weight gradients from B's `pending` to grad_sum."""
     saved, adjoints = pending
-    return self._weight_grad(theta, saved, adjoints, where, _MayBeEmpty(rows))
+    return self._weight_grad(weights, saved, adjoints, where, _MayBeEmpty(rows))
 
-  def Accumulate(self, theta, d_theta, where, rows):
+  def Accumulate(self, weights, d_theta, where, rows):
     """The token of adding `d_theta` (shaped like theta) to grad_sum."""
-    return self._accumulate(theta, d_theta, where, _MayBeEmpty(rows))
+    return self._accumulate(weights, d_theta, where, _MayBeEmpty(rows))

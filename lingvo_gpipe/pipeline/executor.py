@@ -162,7 +162,7 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
         cell_functions.Watch(tape, self.thetas[c], args if self._WantsArgGrads(c) else ())
       try:
         out, acts, updates = self.functions[c].Forward(
-            self.thetas[c], args, self._Where(m, device), self.step, self.training)
+            self.thetas[c] if taped else self.weights[c], args, self._Where(m, device), self.step, self.training)
       except (AttributeError, KeyError) as e:
         if self.direct.Skipping(c):
           raise ValueError(self.direct.Explain(c, e)) from e
@@ -204,11 +204,11 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
         tape, args, targets = self.tapes.pop((m, c))
         d_args, d_theta = cell_functions.CellGradients(tape, targets, grads_in, args,
                                                        self.thetas[c])
-        added = fn.Accumulate(self.thetas[c], d_theta, where, self.sizes[m])
+        added = fn.Accumulate(self.weights[c], d_theta, where, self.sizes[m])
         recomputed = None
       else:
         d_args, added, recomputed = fn.Backward(
-            self.thetas[c], self.inputs.pop((m, c)), grads_in, where, self.step,
+            self.weights[c], self.inputs.pop((m, c)), grads_in, where, self.step,
             self.training, self.sizes[m], self._Clock(device), self._WantsArgGrads(c))
     self._HandOn(m, c, d_args)
     return self._End(device, action, start, (d_args, self._Added(c, added)), recomputed)

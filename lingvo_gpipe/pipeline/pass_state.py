@@ -109,6 +109,10 @@ class PassState:
       # made (a tape's gradient, in a caller's function traced again).
       for function, theta in zip(self.functions, thetas):
         function.grad_sum.Variables(theta)
+    # Each chunk's theta as its calls take it (CellFunctions.Weights), made once, before any
+    # action: a loop's iterations take it from outside.
+    with tf.control_dependencies(None):
+      self.weights = [f.Weights(theta) for f, theta in zip(self.functions, thetas)]
 
   def _Where(self, m, device):
     """Micro-batch m's (offset in the whole batch, size) as the device's functions take it

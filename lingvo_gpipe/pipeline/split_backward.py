@@ -24,7 +24,7 @@ class SplitBackward(pass_state.PassState):
     # A B that takes the weight gradients too (fn.splits is False) adds after the last add.
     with tf.control_dependencies(self._LastAdd(c, waits)):
       d_args, pending, added, recomputed = fn.InputGrad(
-          self.thetas[c], self.inputs.pop((m, c)), grads_in, self._Where(m, device), self.step,
+          self.weights[c], self.inputs.pop((m, c)), grads_in, self._Where(m, device), self.step,
           self.training, self.sizes[m], self._Clock(device), self._WantsArgGrads(c))
     if added is not None:
       self._Added(c, added)
@@ -42,6 +42,6 @@ class SplitBackward(pass_state.PassState):
     if isinstance(pending, tf.Tensor):  # B took the weight gradients: nothing left to do.
       return self._End(device, action, start, pending)
     with tf.control_dependencies(self._LastAdd(c, waits)):
-      added = self.functions[c].WeightGrad(self.thetas[c], pending, self._Where(m, device),
+      added = self.functions[c].WeightGrad(self.weights[c], pending, self._Where(m, device),
                                            self.sizes[m])
     return self._End(device, action, start, self._Added(c, added))

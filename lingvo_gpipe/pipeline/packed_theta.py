@@ -1,0 +1,79 @@
+"""A chunk's weights as one input per dtype of each action's call.
+
+Every action is one call of its chunk's function (cell_functions.py), and a call
+that took each weight as an input of its own took them all through every
+iteration of a steady-state loop (steady_state.py), whose function carries each
+input it captures: at K=8, M=64 (32 small layers) the loop's step was 2x the
+unrolled one for 1F1B and 8x for ZB-H1. Put once a pass into one TensorList per
+float dtype, a chunk's weights are one input a call, which the function takes
+apart again by index (the loop's steps then 1.3x and 4x the unrolled ones; with
+layers of width 256, 1F1B's as fast). A list holds the tensors themselves: nothing
+is copied.
+Other leaves (a Keras layer's integer seed) are passed as they are.
+"""
+
+from typing import Any, NamedTuple
+
+import tensorflow as tf
+
+from lingvo_gpipe.foundation import py_utils
+
+
+class Packed(NamedTuple):
+  """A theta as a call takes it: a TensorList per float dtype, and the other leaves."""
+  lists: tuple
+  others: tuple
+
+
+class ThetaPacking:
+  """How one chunk's theta goes into Packed and comes out again (its structure, and where
+  each float leaf sits in which list)."""
+
+  def __init__(self, theta: Any):
+    self._structure = tf.nest.map_structure(lambda _: 0, theta)
+    leaves = tf.nest.flatten(theta)
+    self._dtypes = sorted({x.dtype for x in leaves if py_utils.IsFloatTensor(x)},
+                          key=lambda d: d.name)
+    self._places = []  # Per leaf: (list, index in it, shape), or None for the other leaves.
+    counts = [0] * len(self._dtypes)
+    for x in leaves:
+      if py_utils.IsFloatTensor(x):
+        k = self._dtypes.index(x.dtype)
+        self._places.append((k, counts[k], x.shape))
+        counts[k] += 1
+      else:
+        self._places.append(None)
+
+  def Pack(self, theta: Any) -> Packed:
+    """theta (shaped as the one this packing was made from) as Packed; ops where called."""
+    leaves = tf.nest.flatten(theta)
+    lists = []
+    for dtype in self._dtypes:
+      handle = tf.raw_ops.EmptyTensorList(element_shape=tf.constant(-1), max_num_elements=-1,
+                                          element_dtype=dtype)
+      for x in leaves:
+        if py_utils.IsFloatTensor(x) and x.dtype == dtype:
+          handle = tf.raw_ops.TensorListPushBack(input_handle=handle, tensor=x)
+      lists.append(handle)
+    return Packed(tuple(lists), tuple(x for x, at in zip(leaves, self._places) if at is None))
+
+  def Unpack(self, packed: Packed) -> Any:
+    """The theta that `packed` holds, its shapes known."""
+    others = iter(packed.others)
+    leaves = []
+    for at in self._places:
+      if at is None:
+        leaves.append(next(others))
+      else:
+        k, index, shape = at
+        leaves.append(tf.raw_ops.TensorListGetItem(
+            input_handle=packed.lists[k], index=index, element_shape=_ShapeTensor(shape),
+            element_dtype=self._dtypes[k]))
+    return tf.nest.pack_sequence_as(self._structure, leaves)
+
+
+def _ShapeTensor(shape):
+  """A TensorList's element_shape for `shape` (-1: an unknown dimension or rank)."""
+  if shape.rank is None:
+    return tf.constant(-1)
+  return tf.constant([-1 if d is None else d for d in shape.as_list()], tf.int32)
