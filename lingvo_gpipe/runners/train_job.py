@@ -16,6 +16,7 @@ from lingvo_gpipe.foundation import hyperparams
 from lingvo_gpipe.pipeline import gpipe
 from lingvo_gpipe.pipeline import pipeline_params
 from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import steady_state
 from lingvo_gpipe.runners import base_runner
 from lingvo_gpipe.runners import jobs
 from lingvo_gpipe.training import learner as learner_lib
@@ -72,6 +73,27 @@ def _TracedWork(task: tf.Module, batch_size: int | None) -> str:
     parts.append(f'K={pipe.num_stages}, M={m}, {schedule_lib.Name(pipe.params.schedule)}'
                  f'{actions}')
   return '; '.join(parts) or 'no pipeline'
+
+
+LONG_TRACE_SECS = 5.0  # A trace this long gets the hint of _LoopHints.
+
+
+def _LoopHints(task: tf.Module, batch_size: int | None) -> list[str]:
+  """Per pipeline that unrolls a steady state (loop_steady_state off), one line saying how
+  much of its program repeats and how to trace that once (docs/pipeline.md)."""
+  hints = []
+  for pipe in jobs.Pipelines(task):
+    if pipe.params.loop_steady_state or pipe.num_replicas > 1 or not batch_size:
+      continue
+    instructions = pipe.GetProgram(batch_size).instructions
+    repeated = sum(w.end - w.start for w in steady_state.Windows(instructions))
+    if repeated:
+      hints.append(
+          f'Pipeline {pipe.path}: {repeated:,} of its {len(instructions):,} instructions repeat '
+          '(a steady state), each traced on its own; its loop_steady_state=True (e.g. '
+          "--model_params_override='task.stack.loop_steady_state : True') traces one period: "
+          'a faster start, slower steps (docs/pipeline.md).')
+  return hints
 
 
 def _PipelineNames(task: tf.Module) -> tuple[dict[tuple[int, int], str], str]:
@@ -165,8 +187,10 @@ def _Train(model_params: hyperparams.Params, settings: base_runner.LoopSettings,
     loop_fn = learner.BuildLoop(dataset.element_spec, ForwardBackward)
   except ValueError as e:  # The model does not fit its input, e.g. from an override.
     raise errors.UserError(f'Cannot build the training step: {e}') from None
-  logging.info('Traced the training step in %.1f s; its first run optimizes the graph.',
-               time.perf_counter() - started)
+  traced = time.perf_counter() - started
+  logging.info('Traced the training step in %.1f s; its first run optimizes the graph.', traced)
+  for hint in _LoopHints(task, batch_size) if traced > LONG_TRACE_SECS else []:
+    logging.info(hint)
   # Once the run can start (the params build, the checkpoints fit them, the input makes a
   # dataset): where it ends, for an evaler (evaler._TrainersMaxSteps).
   params_path = os.path.join(train_dir, 'params.txt')
