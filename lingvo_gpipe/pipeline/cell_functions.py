@@ -9,7 +9,7 @@ chunk's GradientSum, a variable per weight on the chunk's device, in place.
 import tensorflow as tf
 
 from lingvo_gpipe.foundation import py_utils
-from lingvo_gpipe.pipeline import packed_theta
+from lingvo_gpipe.pipeline import packing
 from lingvo_gpipe.pipeline import step_timing
 from lingvo_gpipe.pipeline import weight_grads
 
@@ -151,7 +151,7 @@ class CellFunctions:
                   needs as the call's extra outputs);
     Backward      BW: the recompute and both gradients;
     InputGrad     B: the recompute, the input gradient, and what W needs, as
-                  tensors (weight_grads.py);
+                  tensors (weight_grads.py) in TensorLists (packing.py);
     WeightGrad    W: the weight gradients from what B handed over;
     Accumulate    adds gradients taken from a caller's tape to the sum;
     Zero          starts the sum of a pass.
@@ -174,7 +174,8 @@ class CellFunctions:
     self._weight_grad = Function(self._WeightGrad, **options)
     self._accumulate = Function(self._Accumulate, **options)
     self._zero = Function(self._Zero, **options)
-    self._packing = None  # How Weights packs the chunk's theta (packed_theta.py).
+    self._packing = None  # How Weights packs the chunk's theta (packing.py).
+    self._handed = None  # How B packs what it hands W (B's last trace's).
     self._plan = None  # B's last trace's weight_grads.WeightGradPlan (None: B takes W too).
     self.fused_split_reason = None  # Why the chunk's B takes the weight gradients too.
     self.grad_sum = GradientSum(device, f'{layer.path}/replica{replica}/chunk{chunk}')
@@ -186,17 +187,17 @@ class CellFunctions:
 
   def Weights(self, theta):
     """theta as the chunk's calls take it, made once a pass: packed (one input per dtype,
-    packed_theta.py) in a graph, theta itself eagerly and under XLA."""
+    packing.py) in a graph, theta itself eagerly and under XLA."""
     if tf.executing_eagerly() or self._layer.params.jit_compile:
       return theta
     if self._packing is None:
-      self._packing = packed_theta.ThetaPacking(theta)
+      self._packing = packing.Packing(theta)
     with tf.device(self._device), tf.name_scope(f'packed_weights{self._chunk}'):
       return self._packing.Pack(theta)
 
   def _Theta(self, weights):
     """The theta of what Weights made."""
-    if isinstance(weights, packed_theta.Packed):
+    if isinstance(weights, packing.Packed):
       return self._packing.Unpack(weights)
     return weights
 
@@ -240,13 +241,16 @@ class CellFunctions:
       if self._plan is None:
         d_args, d_theta = CellGradients(tape, targets, grads_in,
                                          args if arg_grads else None, theta)
-        return d_args, (), (), self._Add(theta, d_theta, where, may_be_empty), recomputed
+        return d_args, (), self._Add(theta, d_theta, where, may_be_empty), recomputed
       (d_args, adjoints), _ = CellGradients(tape, targets, grads_in,
                                              (args if arg_grads else (), self._plan.adjointed))
-      return d_args if arg_grads else None, self._plan.saved, adjoints, None, recomputed
+      handed = (self._plan.saved, adjoints)
+      self._handed = packing.Packing(handed)
+      return d_args if arg_grads else None, self._handed.Pack(handed), None, recomputed
 
-  def _WeightGrad(self, weights, saved, adjoints, where, may_be_empty):
+  def _WeightGrad(self, weights, handed, where, may_be_empty):
     theta = self._Theta(weights)
+    saved, adjoints = self._handed.Unpack(handed)
     with tf.device(self._device):
       d_theta = self._plan.WeightGradients(theta, saved, adjoints)
       d_theta = tf.nest.pack_sequence_as(theta, py_utils.Replaced(
@@ -283,16 +287,15 @@ class CellFunctions:
 
   def InputGrad(self, weights, args, grads_in, where, step, training, rows, clock=None,
                 arg_grads=True):
-    """(input grads, what W takes (saved, adjoints), the token of adding the weight gradients
-    if B took them (not `splits`) else None, the recompute's end stamp)."""
-    d_args, saved, adjoints, added, recomputed = self._input_grad(
-        weights, args, grads_in, where, step, training, clock, arg_grads, _MayBeEmpty(rows))
-    return d_args, (saved, adjoints), added, recomputed
+    """(input grads, what W takes (B's saved activations and adjoints, packed: packing.py),
+    the token of adding the weight gradients if B took them (not `splits`) else None, the
+    recompute's end stamp)."""
+    return self._input_grad(weights, args, grads_in, where, step, training, clock, arg_grads,
+                            _MayBeEmpty(rows))
 
   def WeightGrad(self, weights, pending, where, rows):
     """The token of adding the weight gradients from B's `pending` to grad_sum."""
-    saved, adjoints = pending
-    return self._weight_grad(weights, saved, adjoints, where, _MayBeEmpty(rows))
+    return self._weight_grad(weights, pending, where, _MayBeEmpty(rows))
 
   def Accumulate(self, weights, d_theta, where, rows):
     """The token of adding `d_theta` (shaped like theta) to grad_sum."""

@@ -1,10 +1,10 @@
-"""Tests of a chunk's weights packed into one input per dtype (pipeline/packed_theta.py)."""
+"""Tests of a chunk's weights packed into one input per dtype (pipeline/packing.py)."""
 
 import numpy as np
 import tensorflow as tf
 
 from lingvo_gpipe.foundation import py_utils
-from lingvo_gpipe.pipeline import packed_theta
+from lingvo_gpipe.pipeline import packing
 
 
 def _Theta():
@@ -17,12 +17,12 @@ def _Theta():
 
 def testUnpackGivesBackEveryLeafWithItsDtypeAndShape():
   theta = _Theta()
-  packing = packed_theta.ThetaPacking(theta)
+  packer = packing.Packing(theta)
   shapes = {}
 
   @tf.function(autograph=False)
   def RoundTrip(theta):
-    out = packing.Unpack(packing.Pack(theta))
+    out = packer.Unpack(packer.Pack(theta))
     shapes.update({k: v.shape for k, v in out.FlattenItems()})
     return out
 
@@ -36,17 +36,17 @@ def testUnpackGivesBackEveryLeafWithItsDtypeAndShape():
 
 def testAPackedThetaIsOneCallInputPerFloatDtype():
   theta = _Theta()
-  packing = packed_theta.ThetaPacking(theta)
+  packer = packing.Packing(theta)
 
   @tf.function(autograph=False)
   def Sum(packed):
-    t = packing.Unpack(packed)
+    t = packer.Unpack(packed)
     return tf.reduce_sum(t.w) + tf.reduce_sum(tf.cast(t.inner.b, tf.float32)) + tf.reduce_sum(
         t.inner.v) + tf.cast(tf.reduce_sum(t.seed), tf.float32)
 
   @tf.function(autograph=False)
   def Step(theta):
-    return Sum(packing.Pack(theta))
+    return Sum(packer.Pack(theta))
 
   graph = Step.get_concrete_function(theta).graph
   calls = [op for op in graph.get_operations() if 'PartitionedCall' in op.type]
@@ -61,14 +61,14 @@ def testGradientsOfUnpackedWeightsEqualThoseOfTheWeights():
   w = tf.constant([[1.0, 2.0], [3.0, -1.0]])
   x = tf.constant([[0.1, 0.2]])
   theta = py_utils.NestedMap(w=w, b=tf.constant([0.1, 0.2]))
-  packing = packed_theta.ThetaPacking(theta)
+  packer = packing.Packing(theta)
 
   def Loss(t):
     return tf.reduce_sum(tf.tanh(tf.matmul(x, t.w) + t.b))
 
   @tf.function(autograph=False)
   def Grads(packed):
-    t = packing.Unpack(packed)
+    t = packer.Unpack(packed)
     with tf.GradientTape() as tape:
       tape.watch(tf.nest.flatten(t))
       loss = Loss(t)
@@ -78,6 +78,6 @@ def testGradientsOfUnpackedWeightsEqualThoseOfTheWeights():
     tape.watch(tf.nest.flatten(theta))
     loss = Loss(theta)
   expected = tape.gradient(loss, theta)
-  got = tf.function(lambda t: Grads(packing.Pack(t)), autograph=False)(theta)
+  got = tf.function(lambda t: Grads(packer.Pack(t)), autograph=False)(theta)
   for key in ('w', 'b'):
     np.testing.assert_allclose(got[key].numpy(), expected[key].numpy(), rtol=1e-6, atol=1e-7)

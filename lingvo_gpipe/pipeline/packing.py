@@ -1,15 +1,16 @@
-"""A chunk's weights as one input per dtype of each action's call.
+"""Many tensors as one input per dtype of a call: a chunk's weights, what B hands W.
 
-Every action is one call of its chunk's function (cell_functions.py), and a call
-that took each weight as an input of its own took them all through every
-iteration of a steady-state loop (steady_state.py), whose function carries each
-input it captures: at K=8, M=64 (32 small layers) the loop's step was 2x the
-unrolled one for 1F1B and 8x for ZB-H1. Put once a pass into one TensorList per
-float dtype, a chunk's weights are one input a call, which the function takes
-apart again by index (the loop's steps then 1.3x and 4x the unrolled ones; with
-layers of width 256, 1F1B's as fast). A list holds the tensors themselves: nothing
-is copied.
-Other leaves (a Keras layer's integer seed) are passed as they are.
+Every action is one call of its chunk's function (cell_functions.py). A call that
+took each weight, and each of the activations and gradients that a split
+backward's B hands its W, as an input of its own took them all through every
+iteration of a steady-state loop (steady_state.py), whose function carries every
+value it captures or keeps in flight: at K=8, M=64 (32 small layers) the loop's
+step was 2x the unrolled one for 1F1B and 8x for ZB-H1. Put into one TensorList
+per float dtype (the weights once a pass, B's hand-over by B), they are one value
+each, which the function takes apart again by index; a list holds the tensors
+themselves, nothing is copied (the loop's steps then 1.3x and 2.7x, and ZB-H1's
+first call 9.9 s where it was 15.2 s: docs/benchmarks/2026-12-07-startup.md).
+Other leaves (a Keras layer's integer seed, an embedding's ids) pass as they are.
 """
 
 from typing import Any, NamedTuple
@@ -20,18 +21,18 @@ from lingvo_gpipe.foundation import py_utils
 
 
 class Packed(NamedTuple):
-  """A theta as a call takes it: a TensorList per float dtype, and the other leaves."""
+  """Tensors as a call takes them: a TensorList per float dtype, and the other leaves."""
   lists: tuple
   others: tuple
 
 
-class ThetaPacking:
-  """How one chunk's theta goes into Packed and comes out again (its structure, and where
-  each float leaf sits in which list)."""
+class Packing:
+  """How a structure of tensors (a chunk's theta, B's hand-over) goes into Packed and comes
+  out again: its structure, and where each float leaf sits in which list."""
 
-  def __init__(self, theta: Any):
-    self._structure = tf.nest.map_structure(lambda _: 0, theta)
-    leaves = tf.nest.flatten(theta)
+  def __init__(self, structure: Any):
+    self._structure = tf.nest.map_structure(lambda _: 0, structure)
+    leaves = tf.nest.flatten(structure)
     self._dtypes = sorted({x.dtype for x in leaves if py_utils.IsFloatTensor(x)},
                           key=lambda d: d.name)
     self._places = []  # Per leaf: (list, index in it, shape), or None for the other leaves.
@@ -44,9 +45,10 @@ class ThetaPacking:
       else:
         self._places.append(None)
 
-  def Pack(self, theta: Any) -> Packed:
-    """theta (shaped as the one this packing was made from) as Packed; ops where called."""
-    leaves = tf.nest.flatten(theta)
+  def Pack(self, structure: Any) -> Packed:
+    """`structure` (shaped as the one this packing was made from) as Packed; ops where
+    called."""
+    leaves = tf.nest.flatten(structure)
     lists = []
     for dtype in self._dtypes:
       handle = tf.raw_ops.EmptyTensorList(element_shape=tf.constant(-1), max_num_elements=-1,
@@ -58,7 +60,7 @@ class ThetaPacking:
     return Packed(tuple(lists), tuple(x for x, at in zip(leaves, self._places) if at is None))
 
   def Unpack(self, packed: Packed) -> Any:
-    """The theta that `packed` holds, its shapes known."""
+    """The structure that `packed` holds, its shapes known."""
     others = iter(packed.others)
     leaves = []
     for at in self._places:
