@@ -8,8 +8,8 @@ value it captures or keeps in flight: at K=8, M=64 (32 small layers) the loop's
 step was 2x the unrolled one for 1F1B and 8x for ZB-H1. Put into one TensorList
 per float dtype (the weights once a pass, B's hand-over by B), they are one value
 each, which the function takes apart again by index; a list holds the tensors
-themselves, nothing is copied (the loop's steps then 1.3x and 2.7x, and ZB-H1's
-first call 9.9 s where it was 15.2 s: docs/benchmarks/2026-12-07-startup.md).
+themselves, nothing is copied (the loop's steps then 1.3x and 1.5x, and ZB-H1's
+first call 10 s where it was 15 s: docs/benchmarks/2026-12-07-startup.md).
 Other leaves (a Keras layer's integer seed, an embedding's ids) pass as they are.
 """
 
