@@ -10,13 +10,13 @@ from lingvo_gpipe.runners import train_job
 BATCH, DIM = 32, 8
 
 
-def _Task(num_micro_batches, **kwargs):
+def _Task(num_micro_batches, schedule='1f1b', **kwargs):
   cells = gpipe.PartitionSequentialLayers(
       [layers.TransformerFeedForwardLayer.Params().Set(input_dim=DIM, hidden_dim=DIM)
        for _ in range(4)], 4, tf.TensorShape([BATCH, DIM]))
   task = tf.Module()
   task.stack = gpipe.PipeliningLayer.Params().Set(
-      name='stack', cell_tpl=cells, num_micro_batches=num_micro_batches, schedule='1f1b',
+      name='stack', cell_tpl=cells, num_micro_batches=num_micro_batches, schedule=schedule,
       **kwargs).Instantiate()
   return task
 
@@ -32,7 +32,10 @@ def testAnUnrolledSteadyStateGetsTheLoopHintWithItsCounts():
   assert 'loop_steady_state : True' in hint
 
 
-def testNoHintWhereTheLoopIsOnOrNothingRepeats():
+def testNoHintWhereTheLoopIsOnOrNothingRepeatsOrNothingWouldLoop():
   assert train_job._LoopHints(_Task(16, loop_steady_state=True), BATCH) == []
+  assert train_job._LoopHints(_Task(16, 'gpipe'), BATCH) == []  # Its stash piles up.
+  assert train_job._LoopHints(_Task(16, remat='never'), BATCH) == []  # Taped forwards.
+  assert train_job._LoopHints(_Task(16, 'zb_h1', remat='never'), BATCH)  # B and W loop.
   assert train_job._LoopHints(_Task(4), BATCH) == []  # M = K: no three repeats.
   assert train_job._LoopHints(_Task(16), None) == []  # No batch size known: no program.

@@ -162,7 +162,8 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
         cell_functions.Watch(tape, self.thetas[c], args if self._WantsArgGrads(c) else ())
       try:
         out, acts, updates = self.functions[c].Forward(
-            self.thetas[c] if taped else self.weights[c], args, self._Where(m, device), self.step, self.training)
+            self.thetas[c] if taped else self.weights[c], args, self._Where(m, device),
+            self.step, self.training)
       except (AttributeError, KeyError) as e:
         if self.direct.Skipping(c):
           raise ValueError(self.direct.Explain(c, e)) from e

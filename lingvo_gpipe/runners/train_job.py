@@ -16,6 +16,7 @@ from lingvo_gpipe.foundation import hyperparams
 from lingvo_gpipe.pipeline import gpipe
 from lingvo_gpipe.pipeline import pipeline_params
 from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import schedule_actions
 from lingvo_gpipe.pipeline import steady_state
 from lingvo_gpipe.runners import base_runner
 from lingvo_gpipe.runners import jobs
@@ -83,9 +84,16 @@ def _LoopHints(task: tf.Module, batch_size: int | None) -> list[str]:
   much of its program repeats and how to trace that once (docs/pipeline.md)."""
   hints = []
   for pipe in jobs.Pipelines(task):
-    if pipe.params.loop_steady_state or pipe.num_replicas > 1 or not batch_size:
+    p = pipe.params
+    # Those that never loop (docs/pipeline.md): fill-drain, whose stashed inputs pile up;
+    # forwards kept on tapes (remat 'never' outside a split backward); several replicas.
+    if (p.loop_steady_state or pipe.num_replicas > 1 or not batch_size or
+        p.schedule == 'gpipe'):
       continue
     instructions = pipe.GetProgram(batch_size).instructions
+    if p.remat == 'never' and not any(
+        i.kind == schedule_actions.INPUT_GRAD for i in instructions):
+      continue
     repeated = sum(w.end - w.start for w in steady_state.Windows(instructions))
     if repeated:
       hints.append(
