@@ -1711,3 +1711,25 @@ def testInterleavingOnOneDeviceIsSaid(caplog):
                                      schedule='interleaved_1f1b', virtual_stages=2).Instantiate()
   assert any('pipe: interleaved_1f1b with virtual_stages=2 of 2 cells runs on one device' in
              r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize('sched', ['zb_h1', 'zbv'])
+def testASplitBackwardRunEagerlyGivesTheTracedNumbers(sched):
+  """Under tf.config.run_functions_eagerly (a user's debugging; the runners' rerun of a
+  cancelled step) W has no graph to re-create B's ops in: B takes the weight gradients."""
+  pipe = _Pipe(2, 4, 'always', sched)
+  x = _Input()
+
+  @tf.function
+  def Step(x):
+    return pipe.ForwardBackward(pipe.theta, x, _Loss, loss_reduction='mean')
+
+  loss, grads = Step(x)
+  tf.config.run_functions_eagerly(True)
+  try:
+    eager_loss, eager_grads = Step(x)
+  finally:
+    tf.config.run_functions_eagerly(False)
+  np.testing.assert_allclose(eager_loss.numpy(), loss.numpy(), rtol=1e-6)
+  for a, b in zip(tf.nest.flatten(eager_grads), tf.nest.flatten(grads)):
+    np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)

@@ -261,14 +261,17 @@ def testNanStopsTrainingAndKeepsTheLastGoodCheckpoint(tmp_path):
       f'trainer: error: eval_dev of {train_dir}/ckpt-4 (step 4): loss nan not finite.'], err
 
 
-def testAStepCancelledByAnOpFailingInAChunkRaisesThatOpsError(tmp_path):
+@pytest.mark.parametrize('schedule', ['1f1b', 'zb_h1'])
+def testAStepCancelledByAnOpFailingInAChunkRaisesThatOpsError(tmp_path, schedule):
   """toy.regression.FailsOnBatch2's step 2, in the middle of a loop call of 4 steps, fails
   inside stage 2 on its batch, which TensorFlow reports only as CancelledError: the trainer
-  runs that step again eagerly on the same batch and raises the op's own error."""
+  runs that step again eagerly on the same batch and raises the op's own error (also where
+  a split backward's W, traced, re-creates B's ops: eagerly B takes the weight gradients)."""
   from lingvo_gpipe.foundation import errors  # pylint: disable=g-import-not-at-top
   logdir = str(tmp_path / 'log')
   code, _, err = _Run(f'--logdir={logdir}', '--steps_per_loop=4',
-                      '--model_params_override=train.save_interval_steps : 6',
+                      '--model_params_override=train.save_interval_steps : 6; '
+                      f"task.stack.schedule : '{schedule}'",
                       model='toy.regression.FailsOnBatch2')
   lines = err.strip().splitlines()
   assert code == 1 and lines[-1] == errors.RERUN_NOTE, err[-3000:]

@@ -75,6 +75,8 @@ class WeightGradPlan:
   @classmethod
   def Trace(cls, fprop, theta, args):
     """(fprop(theta, args), the plan or None, why there is none) traced in a graph."""
+    if tf.executing_eagerly():  # tf.config.run_functions_eagerly: no ops to read or re-create.
+      return fprop(theta, args), None, 'the step runs eagerly'
     graph = tf.compat.v1.get_default_graph()
     first = len(graph.get_operations())
     targets = fprop(theta, args)
