@@ -1733,3 +1733,7 @@ def testASplitBackwardRunEagerlyGivesTheTracedNumbers(sched):
   np.testing.assert_allclose(eager_loss.numpy(), loss.numpy(), rtol=1e-6)
   for a, b in zip(tf.nest.flatten(eager_grads), tf.nest.flatten(grads)):
     np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-7)
+  # The eager run left the traced step's split alone: traced again, it still splits.
+  assert all(f.splits for f in pipe.cell_functions[0])
+  loss_again, _ = Step(x)
+  np.testing.assert_allclose(loss_again.numpy(), loss.numpy(), rtol=1e-6)

@@ -235,16 +235,17 @@ class CellFunctions:
     with tf.device(self._device), _Context(self._layer, where, step, training, []):
       with tf.GradientTape(watch_accessed_variables=False) as tape:
         Watch(tape, theta, args)  # Theta too, so that the frontier ops are recorded.
-        targets, self._plan, self.fused_split_reason = weight_grads.WeightGradPlan.Trace(
-            self._Fprop, theta, args)
+        targets, plan, why = weight_grads.WeightGradPlan.Trace(self._Fprop, theta, args)
+      if not tf.executing_eagerly():  # An eager run leaves what the traced W uses alone.
+        self._plan, self.fused_split_reason = plan, why
       recomputed = None if clock is None else step_timing.Stamp(clock, targets)
-      if self._plan is None:
+      if plan is None:
         d_args, d_theta = CellGradients(tape, targets, grads_in,
                                          args if arg_grads else None, theta)
         return d_args, (), self._Add(theta, d_theta, where, may_be_empty), recomputed
       (d_args, adjoints), _ = CellGradients(tape, targets, grads_in,
-                                             (args if arg_grads else (), self._plan.adjointed))
-      handed = (self._plan.saved, adjoints)
+                                             (args if arg_grads else (), plan.adjointed))
+      handed = (plan.saved, adjoints)
       self._handed = packing.Packing(handed)
       return d_args if arg_grads else None, self._handed.Pack(handed), None, recomputed
 
