@@ -1231,8 +1231,8 @@ def testInlinedCellFunctionsAreExactAndRaiseTheFailingOpsOwnError(sched):
 def testInlinedCellFunctionsInASteadyStateLoopAreRefused():
   """Inlined into a loop's body, the calls lose the schedule's order (1F1B at K=4, M=16 gave
   gradients off by up to 8.9), so the pair is an error, not a silently wrong step."""
-  with pytest.raises(ValueError, match='inline_cell_functions=True needs '
-                     'loop_steady_state=False'):
+  with pytest.raises(ValueError, match="inline_cell_functions=True needs "
+                     "loop_steady_state False or 'auto'"):
     _Pipe(4, 16, 'always', '1f1b', inline_cell_functions=True, loop_steady_state=True)
 
 

@@ -137,11 +137,29 @@ def testADeepPipelinesGraphHoldsFewerCallsLooped():
   assert Calls(True) * 3 < Calls(False)
 
 
-def testLoopsAreAskedFor():
-  """Loops measured slower steps (docs/benchmarks/2026-12-02-startup.md): none runs unasked."""
-  assert not gpipe.PipeliningLayer.Params().loop_steady_state
-  with pytest.raises(ValueError, match="loop_steady_state must be True or False, got 'yes'"):
-    _Pipeline('1f1b', 'always', loop='yes')
+def testAutoLoopsALongSteadyStateOnly():
+  """'auto', the default, loops where the windows hold AUTO_MIN_INSTRUCTIONS (K=2, M=64: 1F1B's
+  program has 320 instructions), not a short pipeline's (K=2, M=12), nor inlined calls."""
+  assert gpipe.PipeliningLayer.Params().loop_steady_state == 'auto'
+  program = _Pipeline('1f1b', 'always', 'auto', m=64, rows=64).GetProgram(64).instructions
+  assert sum(w.end - w.start for w in steady_state.Windows(program)) >= (
+      steady_state.AUTO_MIN_INSTRUCTIONS)
+  auto, loops, _ = _Run(_Pipeline('1f1b', 'always', 'auto', m=64, rows=64), rows=64)
+  assert loops == 1
+  unrolled, _, _ = _Run(_Pipeline('1f1b', 'always', False, m=64, rows=64), rows=64)
+  for a, b in zip(tf.nest.flatten(auto), tf.nest.flatten(unrolled)):
+    np.testing.assert_array_equal(a, b)
+  assert _Run(_Pipeline('1f1b', 'always', 'auto'))[1] == 0  # M=12: 60 instructions.
+  inlined = _Pipeline('1f1b', 'always', 'auto', m=64, rows=64).params.Copy()
+  inlined.inline_cell_functions = True
+  assert steady_state.Looped(steady_state.Windows(program), inlined) == []
+
+
+@pytest.mark.parametrize('value', ['yes', 1, None])
+def testALoopSettingIsTrueFalseOrAuto(value):
+  with pytest.raises(ValueError, match=f"loop_steady_state must be True, False or 'auto', got "
+                     f'{value!r}'):
+    _Pipeline('1f1b', 'always', loop=value)
 
 
 @pytest.mark.parametrize('sched', ['1f1b', 'zb_h1'])

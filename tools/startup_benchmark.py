@@ -39,7 +39,8 @@ flags.DEFINE_list('remat', ['always'], "Re-materialization modes ('always', 'exc
                   "'never').")
 flags.DEFINE_list('loop_steady_state', ['false', 'true'],
                   "PipeliningLayer.loop_steady_state values ('true': the steady state as one "
-                  "tf.while_loop; 'false', the default: every action unrolled).")
+                  "tf.while_loop; 'false': every action unrolled; 'auto', the layer's "
+                  'default: a loop where the steady state is long).')
 flags.DEFINE_integer('layers', 32, 'Layers of the residual MLP.', lower_bound=1)
 flags.DEFINE_integer('width', 32, 'Its width.', lower_bound=1)
 flags.DEFINE_integer('hidden', 64, 'Its hidden width.', lower_bound=1)
@@ -50,7 +51,7 @@ bench_utils.DefineCounts('trainer_micro_batches', ['64'],
 flags.DEFINE_integer('timeout', 900, 'Seconds one configuration may take.', lower_bound=1)
 bench_utils.CheckChoices('schedules', named_schedules.SCHEDULE_NAMES)
 bench_utils.CheckChoices('remat', ('always', 'except_last', 'never'))
-bench_utils.CheckChoices('loop_steady_state', ('true', 'false'))
+bench_utils.CheckChoices('loop_steady_state', ('true', 'false', 'auto'))
 bench_utils.DefineJsonOut()
 flags.DEFINE_string('single', None, 'Internal: run one configuration (JSON) and print it.')
 flags.adopt_module_key_flags(bench_utils)
@@ -138,6 +139,9 @@ def _TrainerStart(model, micro_batches):
               peak_host_mb=round(peak / 1024) if peak > before else None)
 
 
+_LOOP_SETTINGS = {'true': True, 'false': False, 'auto': 'auto'}
+
+
 def _Grid():
   for k in map(int, FLAGS.stages):
     for m in map(int, FLAGS.micro_batches):
@@ -145,7 +149,7 @@ def _Grid():
         for remat in FLAGS.remat:
           for loop in FLAGS.loop_steady_state:
             yield dict(stages=k, micro_batches=m, schedule=sched, remat=remat,
-                       loop_steady_state=loop == 'true', layers=FLAGS.layers,
+                       loop_steady_state=_LOOP_SETTINGS[loop], layers=FLAGS.layers,
                        width=FLAGS.width, hidden=FLAGS.hidden, steps=FLAGS.steps)
 
 

@@ -109,12 +109,14 @@ class PipeliningLayer(base_layer.BaseLayer):
     p.Define('num_replicas', 1,
              'R data-parallel copies of the pipeline, each on 1/R of the batch; `devices` then '
              'lists R x K devices, replica r stage k at devices[r * K + k].')
-    p.Define('loop_steady_state', False,
+    p.Define('loop_steady_state', 'auto',
              "Run a traced schedule's steady state (its stretch that repeats for micro-batch "
              'after micro-batch: lingvo_gpipe/pipeline/steady_state.py) as one tf.while_loop, '
              'so that tracing and graph optimization do not grow with M (the actions and their '
-             "order stay the schedule's). It starts faster and steps slower: for short runs "
-             "and large M. Needs equal micro-batches; remat 'never' forwards stay unrolled.")
+             "order stay the schedule's): True, False, or 'auto', which loops where the "
+             'stretches hold at least steady_state.AUTO_MIN_INSTRUCTIONS instructions (K=8, '
+             "M=64: yes; K=4, M=16: no) unless inline_cell_functions. Needs equal "
+             "micro-batches; remat 'never' forwards stay unrolled.")
     p.Define('inline_cell_functions', False,
              "Inline each action's call of its chunk's function. Off, start-up stays small at "
              "large K x M, but an op failing in a chunk may surface only as CancelledError "
@@ -143,11 +145,13 @@ class PipeliningLayer(base_layer.BaseLayer):
                        'params per stage.')
     if p.remat not in REMAT_MODES:
       raise ValueError(f'Unknown remat {p.remat!r}; expected one of {list(REMAT_MODES)}.')
-    if not isinstance(p.loop_steady_state, bool):
-      raise ValueError(f'loop_steady_state must be True or False, got {p.loop_steady_state!r}.')
-    if p.inline_cell_functions and p.loop_steady_state:
-      raise ValueError('inline_cell_functions=True needs loop_steady_state=False: calls inlined '
-                       "into the loop's body are not kept in the schedule's order.")
+    if not (isinstance(p.loop_steady_state, bool) or p.loop_steady_state == 'auto'):
+      raise ValueError("loop_steady_state must be True, False or 'auto', got "
+                       f'{p.loop_steady_state!r}.')
+    if p.inline_cell_functions and p.loop_steady_state is True:
+      raise ValueError("inline_cell_functions=True needs loop_steady_state False or 'auto' "
+                       "(which then does not loop): calls inlined into the loop's body are "
+                       "not kept in the schedule's order.")
     direct_inputs.CheckPaths(p.last_chunk_inputs)
     if p.jit_compile and p.remat != 'always':
       raise ValueError(f"jit_compile=True needs remat='always', got remat={p.remat!r}: a "

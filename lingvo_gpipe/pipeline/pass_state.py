@@ -164,9 +164,8 @@ class PassState:
 
   def CanLoop(self):
     """Whether windows of a schedule may run as loops: traced, untimed, on micro-batches of
-    one size (steady_state.RunLoop checks the rest)."""
+    one size (loop_steady_state: steady_state.Looped; RunLoop checks the rest)."""
     return (not tf.executing_eagerly() and self.tracer is None and self.batch is not None and
-            self.layer.params.loop_steady_state and
             all(isinstance(n, int) and n == self.sizes[0] > 0 for n in self.sizes))
 
   def SameTrace(self, a, b):

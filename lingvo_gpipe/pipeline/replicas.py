@@ -85,7 +85,8 @@ class Replicas:
     one = self.passes[0]
     if len(self.passes) > 1 or not one.CanLoop():
       return []
-    return steady_state.Windows(instructions, one.SameTrace)
+    return steady_state.Looped(steady_state.Windows(instructions, one.SameTrace),
+                               self._layer.params)
 
   def _Run(self, action, on_loss):
     if action.kind == L and action.micro_batch == schedule_actions.ALL:

@@ -19,6 +19,9 @@ from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.pipeline import schedule_actions
 
 MIN_REPEATS = 3  # Fewer repeats save less than a loop's set-up costs.
+# loop_steady_state='auto' loops a program whose windows hold this many instructions: unrolled,
+# about 3 s of start-up on a 2-core CPU (docs/benchmarks/2026-12-07-startup.md).
+AUTO_MIN_INSTRUCTIONS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +103,19 @@ def Windows(actions, same=lambda a, b: True, max_stride=8):
     return [] if best is None else Within(lo, best.start) + [best] + Within(best.end, hi)
 
   return Within(0, len(actions))
+
+
+def Looped(windows, params):
+  """Those of a program's `windows` that a PipeliningLayer with `params` runs as loops: all
+  (loop_steady_state True), none (False; 'auto' with inline_cell_functions), or under 'auto'
+  all where together they hold AUTO_MIN_INSTRUCTIONS."""
+  setting = params.loop_steady_state
+  if setting is True:
+    return windows
+  if (setting == 'auto' and not params.inline_cell_functions and
+      sum(w.end - w.start for w in windows) >= AUTO_MIN_INSTRUCTIONS):
+    return windows
+  return []
 
 
 def LoopsIn(graph):

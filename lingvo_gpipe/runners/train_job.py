@@ -76,32 +76,41 @@ def _TracedWork(task: tf.Module, batch_size: int | None) -> str:
   return '; '.join(parts) or 'no pipeline'
 
 
-LONG_TRACE_SECS = 5.0  # A trace this long gets the hint of _LoopHints.
+LONG_TRACE_SECS = 5.0  # A trace this long gets the hint of _LoopLines.
 
 
-def _LoopHints(task: tf.Module, batch_size: int | None) -> list[str]:
-  """Per pipeline that unrolls a steady state (loop_steady_state off), one line saying how
-  much of its program repeats and how to trace that once (docs/pipeline.md)."""
-  hints = []
+def _LoopLines(task: tf.Module, batch_size: int | None, traced: float) -> list[str]:
+  """Per pipeline whose steady state 'auto' loops, a line saying so and how to unroll it; per
+  pipeline that unrolls one (loop_steady_state False, or 'auto' on a short one) after a trace
+  of over LONG_TRACE_SECS, how much repeats and how to trace that once (docs/pipeline.md)."""
+  lines = []
   for pipe in jobs.Pipelines(task):
     p = pipe.params
     # Those that never loop (docs/pipeline.md): fill-drain, whose stashed inputs pile up;
-    # forwards kept on tapes (remat 'never' outside a split backward); several replicas.
-    if (p.loop_steady_state or pipe.num_replicas > 1 or not batch_size or
-        p.schedule == 'gpipe'):
+    # forwards kept on tapes (remat 'never' outside a split backward); several replicas;
+    # inlined calls (a debugging run).
+    if (pipe.num_replicas > 1 or not batch_size or p.schedule == 'gpipe' or
+        p.inline_cell_functions):
       continue
     instructions = pipe.GetProgram(batch_size).instructions
     if p.remat == 'never' and not any(
         i.kind == schedule_actions.INPUT_GRAD for i in instructions):
       continue
-    repeated = sum(w.end - w.start for w in steady_state.Windows(instructions))
-    if repeated:
-      hints.append(
-          f'Pipeline {pipe.path}: {repeated:,} of its {len(instructions):,} instructions repeat '
-          '(a steady state), each traced on its own; its loop_steady_state=True (e.g. '
-          "--model_params_override='task.stack.loop_steady_state : True') traces one period: "
-          'a faster start, slower steps (docs/pipeline.md).')
-  return hints
+    windows = steady_state.Windows(instructions)
+    repeated = sum(w.end - w.start for w in windows)
+    counts = f'{repeated:,} of its {len(instructions):,} instructions repeat (a steady state)'
+    if steady_state.Looped(windows, p) and p.loop_steady_state == 'auto':
+      lines.append(
+          f"Pipeline {pipe.path}: {counts}, run as one loop (loop_steady_state='auto'): a "
+          'faster start; loop_steady_state=False unrolls them, for steps that measured up to '
+          '15% faster (docs/pipeline.md).')
+    elif repeated and not steady_state.Looped(windows, p) and traced > LONG_TRACE_SECS:
+      lines.append(
+          f'Pipeline {pipe.path}: {counts}, each traced on its own (loop_steady_state='
+          f"{p.loop_steady_state!r}); loop_steady_state=True (e.g. --model_params_override="
+          "'task.stack.loop_steady_state : True') traces one period: a faster start "
+          '(docs/pipeline.md).')
+  return lines
 
 
 def _PipelineNames(task: tf.Module) -> tuple[dict[tuple[int, int], str], str]:
@@ -197,8 +206,8 @@ def _Train(model_params: hyperparams.Params, settings: base_runner.LoopSettings,
     raise errors.UserError(f'Cannot build the training step: {e}') from None
   traced = time.perf_counter() - started
   logging.info('Traced the training step in %.1f s; its first run optimizes the graph.', traced)
-  for hint in _LoopHints(task, batch_size) if traced > LONG_TRACE_SECS else []:
-    logging.info(hint)
+  for line in _LoopLines(task, batch_size, traced):
+    logging.info(line)
   # Once the run can start (the params build, the checkpoints fit them, the input makes a
   # dataset): where it ends, for an evaler (evaler._TrainersMaxSteps).
   params_path = os.path.join(train_dir, 'params.txt')
