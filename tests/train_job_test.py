@@ -48,6 +48,7 @@ def testNoHintWhereTheLoopIsOnOrNothingRepeatsOrNothingWouldLoop():
   assert train_job._LoopLines(_Task(64, batch=128, loop_steady_state=True), 128, LONG) == []
   assert train_job._LoopLines(_Task(16), BATCH, 0.1) == []  # A short trace: no hint.
   assert train_job._LoopLines(_Task(16, inline_cell_functions=True), BATCH, LONG) == []
+  assert train_job._LoopLines(_Task(64, batch=130), 130, LONG) == []  # Uneven micro-batches.
   assert train_job._LoopLines(_Task(16, 'gpipe'), BATCH, LONG) == []  # Its stash piles up.
   assert train_job._LoopLines(_Task(16, remat='never'), BATCH, LONG) == []  # Taped forwards.
   assert train_job._LoopLines(_Task(16, 'zb_h1', remat='never'), BATCH, LONG)  # B and W loop.
