@@ -12,6 +12,7 @@ import tensorflow as tf
 from lingvo_gpipe.foundation import errors
 from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.pipeline import named_schedules
+from lingvo_gpipe.pipeline import steady_state
 from lingvo_gpipe.runners import keras_pipeline
 
 _STEPS, _BATCH = 20, 16
@@ -262,6 +263,28 @@ def testScheduleAndVirtualStagesAreChecked():
     with pytest.raises(ValueError, match=message):
       keras_pipeline.PipelineModel(_Layers(), num_stages=2, **kwargs)
 
+
+
+def testALoopedSteadyStateTrainsAsEveryActionUnrolled():
+  """M=64 at K=2: 'auto' (the default) loops 1F1B's steady state; False unrolls it, and the
+  fit's losses and weights are the same bit for bit (tests/steady_state_test.py)."""
+  x, y = _Data(2 * 128)
+  results = []
+  for loop in ('auto', False):
+    keras.utils.set_random_seed(1)
+    model = keras_pipeline.PipelineModel(_Layers(), num_stages=2, num_micro_batches=64,
+                                         schedule='1f1b', input_shape=(12,),
+                                         loop_steady_state=loop)
+    program = model._pipeline.GetProgram(128).instructions
+    looped = steady_state.Looped(steady_state.Windows(program), model._pipeline.params)
+    assert bool(looped) == (loop == 'auto')
+    results.append((_Fit(model, x, y, batch_size=128), model.get_weights()))
+  np.testing.assert_array_equal(results[0][0], results[1][0])
+  for a, b in zip(results[0][1], results[1][1]):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="loop_steady_state must be True, False or 'auto', "
+                     "got 'yes'"):
+    keras_pipeline.PipelineModel(_Layers(), num_stages=2, loop_steady_state='yes')
 
 
 def testAnInputShapeOtherThanTheLayersIsAClearError():

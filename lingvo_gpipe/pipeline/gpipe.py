@@ -48,6 +48,7 @@ from lingvo_gpipe.pipeline import partition
 from lingvo_gpipe.pipeline import program
 from lingvo_gpipe.pipeline import replicas
 from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import steady_state
 from lingvo_gpipe.pipeline import step_timing
 from lingvo_gpipe.pipeline import training_pass
 
@@ -145,9 +146,7 @@ class PipeliningLayer(base_layer.BaseLayer):
                        'params per stage.')
     if p.remat not in REMAT_MODES:
       raise ValueError(f'Unknown remat {p.remat!r}; expected one of {list(REMAT_MODES)}.')
-    if not (isinstance(p.loop_steady_state, bool) or p.loop_steady_state == 'auto'):
-      raise ValueError("loop_steady_state must be True, False or 'auto', got "
-                       f'{p.loop_steady_state!r}.')
+    steady_state.CheckSetting(p.loop_steady_state)
     if p.inline_cell_functions and p.loop_steady_state is True:
       raise ValueError("inline_cell_functions=True needs loop_steady_state False or 'auto' "
                        "(which then does not loop): calls inlined into the loop's body are "

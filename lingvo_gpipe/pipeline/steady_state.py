@@ -105,6 +105,12 @@ def Windows(actions, same=lambda a, b: True, max_stride=8):
   return Within(0, len(actions))
 
 
+def CheckSetting(setting):
+  """ValueError unless `setting` is one of loop_steady_state's: True, False or 'auto'."""
+  if not (isinstance(setting, bool) or setting == 'auto'):
+    raise ValueError(f"loop_steady_state must be True, False or 'auto', got {setting!r}.")
+
+
 def Looped(windows, params):
   """Those of a program's `windows` that a PipeliningLayer with `params` runs as loops: all
   (loop_steady_state True), none (False; 'auto' with inline_cell_functions), or under 'auto'

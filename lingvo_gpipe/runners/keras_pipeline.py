@@ -61,6 +61,7 @@ from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.layers import keras_layer
 from lingvo_gpipe.pipeline import gpipe
 from lingvo_gpipe.pipeline import schedule as schedule_lib
+from lingvo_gpipe.pipeline import steady_state
 
 # The attribute that marks a Keras step function as rerunning its cancelled steps.
 _RERUNS = '_lingvo_gpipe_reruns_cancelled_steps'
@@ -148,6 +149,9 @@ class PipelineModel(keras.Model):
       train step cannot be: it spans the stages' devices); needs remat='always'.
     inline_cell_functions: the PipeliningLayer param: an op failing in a chunk
       raises its own error, not only CancelledError (docs/pipeline.md).
+    loop_steady_state: the PipeliningLayer param: 'auto' runs a long steady state
+      (M large) as one tf.while_loop, for a faster start; False unrolls every
+      action (steps measured up to 15% faster); True loops any (docs/pipeline.md).
     input_shape: one example's input shape, if `layers` does not give it; else
       the model is built on its first call.
     **kwargs: keras.Model arguments (name, dtype, trainable).
@@ -158,7 +162,8 @@ class PipelineModel(keras.Model):
                devices: Sequence[str] | None = None, allow_device_reuse: bool = False,
                cost='auto', balance: Sequence[int] | None = None, jit_compile: bool = False,
                input_shape: Sequence[int | None] | None = None,
-               inline_cell_functions: bool = False, **kwargs):
+               inline_cell_functions: bool = False, loop_steady_state: bool | str = 'auto',
+               **kwargs):
     super().__init__(**kwargs)
     # XLA compiles one device's work and a train step spans the stages' devices: Keras
     # then warns of and ignores compile(jit_compile=True); see jit_compile above.
@@ -168,7 +173,9 @@ class PipelineModel(keras.Model):
     num_stages, num_micro_batches, virtual_stages = (
         int(n) if isinstance(n, np.integer) else n
         for n in (num_stages, num_micro_batches, virtual_stages))
-    # A ValueError naming a bad schedule or virtual_stages now, not at the first batch.
+    # A ValueError naming a bad schedule, virtual_stages or loop setting now, not at the first
+    # batch.
+    steady_state.CheckSetting(loop_steady_state)
     self._whole_batch_loss = schedule_lib.ForPipeline(
         schedule, num_stages, num_micro_batches, virtual_stages).whole_batch_loss
     self._layer_configs = [layer if isinstance(layer, dict) else keras.layers.serialize(layer)
@@ -182,7 +189,8 @@ class PipelineModel(keras.Model):
                          schedule=schedule, virtual_stages=virtual_stages, remat=remat,
                          devices=devices, allow_device_reuse=allow_device_reuse, cost=cost,
                          balance=balance, jit_compile=jit_compile,
-                         inline_cell_functions=inline_cell_functions)
+                         inline_cell_functions=inline_cell_functions,
+                         loop_steady_state=loop_steady_state)
     self._pipeline = None
     self._output_shape = None
     if input_shape is not None:
@@ -238,7 +246,8 @@ class PipelineModel(keras.Model):
           remat=opts['remat'], devices=opts['devices'],
           allow_device_reuse=opts['allow_device_reuse'], jit_compile=opts['jit_compile'],
           inline_cell_functions=opts['inline_cell_functions'],
-          dtype=tf.as_dtype(self.variable_dtype), fprop_dtype=tf.as_dtype(self.compute_dtype))
+          loop_steady_state=opts['loop_steady_state'], dtype=tf.as_dtype(self.variable_dtype),
+          fprop_dtype=tf.as_dtype(self.compute_dtype))
       self._pipeline = p.Instantiate()
     self._input_shape = shape
     # Tracked by Keras as this model's layers: their variables are the pipeline's.
