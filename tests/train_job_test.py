@@ -39,6 +39,8 @@ def testAnAutoLoopIsSaidWithHowToUnrollIt():
   line, = train_job._LoopLines(_Task(64, batch=128), 128, 0.1)
   assert "run as one loop (loop_steady_state='auto')" in line
   assert 'loop_steady_state=False unrolls them' in line
+  looped, = train_job._LoopLines(_Task(64, 'gpipe', batch=128), 128, 0.1)  # Fill-drain too.
+  assert 'run as one loop' in looped
   unrolled, = train_job._LoopLines(_Task(64, batch=128, loop_steady_state=False), 128, LONG)
   assert 'each traced on its own (loop_steady_state=False)' in unrolled
 
@@ -49,7 +51,7 @@ def testNoHintWhereTheLoopIsOnOrNothingRepeatsOrNothingWouldLoop():
   assert train_job._LoopLines(_Task(16), BATCH, 0.1) == []  # A short trace: no hint.
   assert train_job._LoopLines(_Task(16, inline_cell_functions=True), BATCH, LONG) == []
   assert train_job._LoopLines(_Task(64, batch=130), 130, LONG) == []  # Uneven micro-batches.
-  assert train_job._LoopLines(_Task(16, 'gpipe'), BATCH, LONG) == []  # Its stash piles up.
+  assert train_job._LoopLines(_Task(16, 'gpipe'), BATCH, LONG)  # Short: unrolled.
   assert train_job._LoopLines(_Task(16, remat='never'), BATCH, LONG) == []  # Taped forwards.
   assert train_job._LoopLines(_Task(16, 'zb_h1', remat='never'), BATCH, LONG)  # B and W loop.
   assert train_job._LoopLines(_Task(4), BATCH, LONG) == []  # M = K: no three repeats.

@@ -8,6 +8,9 @@ placement then grow with the calls (docs/benchmarks/2026-12-02-startup.md). Run
 as a tf.while_loop over one period, the calls are traced once, whatever M. The
 actions, their order on each device and their inputs stay the schedule's
 (executor.Pass runs the period's actions with the micro-batch of each iteration).
+What the period makes for after the loop (fill-drain's stash of inputs for the
+backward) leaves it in TensorArrays, and what it takes from before (the stash,
+in the backward) is fed to it from them (_Plan).
 """
 
 import copy
@@ -147,6 +150,89 @@ def _Shifted(values, by):
           for key, v in values.items()}
 
 
+def _Key(key, by):
+  return (key[0] + by, key[1]) if isinstance(key, tuple) else key + by
+
+
+class _Reads(dict):
+  """A carried dict that records the keys the period's actions look up (_Plan.Of)."""
+
+  def __init__(self, values, read):
+    super().__init__(values)
+    self._read = read
+
+  def __getitem__(self, key):
+    self._read.add(key)
+    return super().__getitem__(key)
+
+  def __contains__(self, key):
+    self._read.add(key)
+    return super().__contains__(key)
+
+  def get(self, key, default=None):
+    self._read.add(key)
+    return super().get(key, default)
+
+  def pop(self, key, *default):
+    self._read.add(key)
+    return super().pop(key, *default)
+
+
+@dataclasses.dataclass
+class _Plan:
+  """Which in-flight values of a period that does not leave what it found (fill-drain's
+  stash of inputs for the backward) take which way, as (dict name, key) in the first
+  iteration's micro-batches: `carried` go round the loop; `fed` come, per iteration, from
+  what was in flight before it (keys `stride` further each time); `stashed`, made by each
+  iteration for after the loop, leave it in TensorArrays (`specs`); what the period does not
+  look up stays outside the loop."""
+  carried: list
+  fed: list
+  stashed: list
+  specs: list
+
+  @classmethod
+  def Of(cls, begin, one, reads, stride, repeats):
+    """The plan of a period traced from `begin` (_Carried at its start) to the Pass `one`,
+    whose actions looked up the keys `reads`; None if it leaves what it found.
+
+    A value the period looks up is carried if the next iteration's is one it makes, or one
+    in flight that it leaves alone (which is then carried too: a value in flight for
+    several iterations); fed if the next iteration's was in flight before the loop (a
+    fill-drain's backward takes its stash so). What the period makes and no next
+    iteration takes is stashed.
+    """
+    carried, fed, stashed, outside = [], [], [], []
+    afters = {name: dict(getattr(one, name)) for name in _CARRIED}
+    for name in _CARRIED:
+      before, after = begin[name], afters[name]
+      untouched = {k for k, v in before.items() if k not in reads[name] and after.get(k) is v}
+      made = set(after) - untouched
+      slots = set()
+      for k in set(before) - untouched:
+        chain = [k]
+        while _Key(chain[-1], stride) in untouched:
+          chain.append(_Key(chain[-1], stride))
+        if _Key(chain[-1], stride) in made:
+          slots.update(chain)
+        elif len(chain) >= repeats:  # Iteration r's value is chain[r].
+          fed.append((name, k))
+          untouched -= set(chain)
+        else:
+          raise NotPeriodic(f'{name} {k} is not in flight for every iteration')
+      carried += [(name, k) for k in slots]
+      stashed += [(name, k) for k in made if _Key(k, -stride) not in slots]
+      outside += [(name, k) for k in untouched - slots]
+      later = {_Key(k, r * stride) for k in reads[name] | made for r in range(1, repeats)}
+      if later & (untouched - slots):
+        raise NotPeriodic(f'a later iteration looks up {name} that the first leaves alone')
+    if not fed and not stashed and not outside:
+      return None
+    stashed.sort(key=str)
+    specs = [(x.dtype, x.shape) for name, k in stashed for x in _Split(afters[name][k])[0]]
+    return cls(sorted(carried, key=str), sorted(fed, key=str), stashed, specs)
+
+
 def _Carried(one, shift=0):
   """What one Pass holds in flight, keyed by the iteration's first micro-batches (`shift`:
   how far the keys are ahead of them)."""
@@ -207,29 +293,50 @@ def RunLoop(one, period, repeats, stride, run):
   saved = {name: copy.copy(value) for name, value in vars(one).items()
            if isinstance(value, (dict, list, set))}
   try:
-    _Loop(one, period, repeats, stride, run)
+    try:
+      _Loop(one, period, repeats, stride, run)
+    except _Replan as e:  # Traced again, its values in flight taking the plan's ways.
+      vars(one).update({name: copy.copy(value) for name, value in saved.items()})
+      _Loop(one, period, repeats, stride, run, e.plan)
   except NotPeriodic:
     vars(one).update(saved)
     raise
 
 
-def _Loop(one, period, repeats, stride, run):
+class _Replan(Exception):
+  """The period leaves other values in flight than it found: a loop needs `plan`."""
+
+  def __init__(self, plan):
+    super().__init__()
+    self.plan = plan
+
+
+def _Loop(one, period, repeats, stride, run, plan=None):
   # Micro-batches not yet in the pipe are no loop variables: the window's first forwards
   # take theirs from the batch, by the iteration.
   waiting = {key: one.inputs.pop(key) for key in list(one.inputs)
              if key[1] == 0 and key[0] not in one.released}
   entering = {a.micro_batch + r * stride for a in period for r in range(repeats)
               if a.kind == schedule_actions.FORWARD and a.chunk == 0}
+  kept, fed = _Outside(one, plan, repeats, stride)
   start = _Carried(one)
   tensors, rest = _Split(start)
-  specs = _LeftSpecs(one, period)
+  columns = _FedColumns(fed)
+  specs = _LeftSpecs(one, period) + (plan.specs if plan else [])
   left = []  # (kind, key, value, its other leaves) of what the period left, as traced.
   acts_before = set(one.acts)
   acts = {}  # The period's forwards' fetched activations: none (RunLoop), each iteration.
 
-  def Body(i, loop_tensors, arrays):
+  def Body(i, loop_tensors, arrays, fed_arrays):
     del left[:]
     _SetCarried(one, _Joined(start, loop_tensors, rest))
+    if plan:
+      _PutFed(one, fed, _ReadAt(fed_arrays, columns, i))
+    else:
+      entry = _Carried(one)  # Holding the loop's tensors, which _Plan.Of follows.
+      reads = {name: set() for name in _CARRIED}
+      for name in _CARRIED:
+        setattr(one, name, _Reads(getattr(one, name), reads[name]))
     marks = _Marks(one)
     one.loop = (i, stride)
     try:
@@ -239,6 +346,11 @@ def _Loop(one, period, repeats, stride, run):
       one.loop = None
     one.CloseTokens()
     acts.update({key: one.acts[key] for key in set(one.acts) - acts_before})
+    if not plan:
+      needed = _Plan.Of(entry, one, reads, stride, repeats)
+      if needed:
+        raise _Replan(needed)
+    stashed = [getattr(one, name).pop(key) for name, key in (plan.stashed if plan else [])]
     end = _Carried(one, shift=stride)
     try:
       tf.nest.assert_same_structure(start, end)
@@ -252,9 +364,13 @@ def _Loop(one, period, repeats, stride, run):
       value_tensors, value_rest = _Split(value)
       left.append((kind, key, value, value_rest))
       flat += value_tensors
+    for (name, key), value in zip(plan.stashed if plan else [], stashed):
+      value_tensors, value_rest = _Split(value)
+      left.append((name, key, value, value_rest))
+      flat += value_tensors
     if [(x.dtype, x.shape) for x in flat] != specs:
       raise NotPeriodic('other values left for after the pass')
-    return i + 1, end_tensors, [array.write(i, x) for array, x in zip(arrays, flat)]
+    return i + 1, end_tensors, [array.write(i, x) for array, x in zip(arrays, flat)], fed_arrays
 
   # Without automatic control dependencies: in a tf.function they make every value an
   # iteration hands on wait for all of its stateful ops (the calls), so no iteration would
@@ -263,21 +379,82 @@ def _Loop(one, period, repeats, stride, run):
   # its call is not (the weight-gradient adds then race).
   @py_utils.DistinctFunction(autograph=False, name='steady_state',
                              experimental_attributes={'_disable_acd': True, '_noinline': True})
-  def Loop(tensors):
+  def Loop(tensors, columns):
     arrays = [tf.TensorArray(dtype, size=repeats, element_shape=shape)
               for dtype, shape in specs]
-    _, out_tensors, arrays = tf.while_loop(
-        lambda i, *_: i < repeats, Body, (tf.constant(0), tensors, arrays),
+    _, out_tensors, arrays, _ = tf.while_loop(
+        lambda i, *_: i < repeats, Body,
+        (tf.constant(0), tensors, arrays, _FedArrays(columns)),
         parallel_iterations=2 * len(one.devices) + 2)
     return out_tensors, [[array.read(r) for r in range(repeats)] for array in arrays]
 
-  out_tensors, reads = Loop(tensors)
+  out_tensors, reads = Loop(tensors, columns)
   _SetCarried(one, _Joined(start, out_tensors, rest), shift=repeats * stride)
+  for name, values in kept.items():
+    getattr(one, name).update(values)
   _PutBack(one, left, reads, repeats, stride)
   one.inputs.update({key: x for key, x in waiting.items() if key[0] not in entering})
   one.acts.update({(m + r * stride, c): value for (m, c), value in acts.items()
                    for r in range(repeats)})
   one.released |= entering
+
+
+def _Outside(one, plan, repeats, stride):
+  """Under a plan, takes out of the Pass's dicts what stays outside the loop: ({name: the
+  values it does not look up}, [((name, key), [its value in each iteration])] fed to it);
+  the dicts then hold what goes round it."""
+  if plan is None:
+    return {}, []
+  fed = [((name, key), [getattr(one, name).pop(_Key(key, r * stride)) for r in range(repeats)])
+         for name, key in plan.fed]
+  carried = {name: {} for name in _CARRIED}
+  for name, key in plan.carried:
+    carried[name][key] = getattr(one, name).pop(key)
+  kept = {name: getattr(one, name) for name in _CARRIED}
+  for name in _CARRIED:
+    setattr(one, name, carried[name])
+  return kept, fed
+
+
+def _FedColumns(fed):
+  """Per tensor of each fed value, its tensors of every iteration (a column)."""
+  columns = []
+  for (name, key), values in fed:
+    splits = [_Split(value) for value in values]
+    if any(rest != splits[0][1] for _, rest in splits):
+      raise NotPeriodic(f'{name} {key} holds other Python values in other iterations')
+    columns += [list(column) for column in zip(*[tensors for tensors, _ in splits])]
+  return columns
+
+
+def _FedArrays(columns):
+  """A TensorArray per column, made where its tensors are (the loop reads it there)."""
+  arrays = []
+  for column in columns:
+    with tf.device(column[0].device):
+      array = tf.TensorArray(column[0].dtype, size=len(column),
+                             element_shape=column[0].shape)
+      for r, x in enumerate(column):
+        array = array.write(r, x)
+    arrays.append(array)
+  return arrays
+
+
+def _PutFed(one, fed, tensors):
+  """Puts an iteration's fed values (their `tensors`, in _FedColumns' order) into the Pass."""
+  it = iter(tensors)
+  for (name, key), values in fed:
+    first, rest = _Split(values[0])
+    getattr(one, name)[key] = _Joined(values[0], [next(it) for _ in first], rest)
+
+
+def _ReadAt(arrays, columns, i):
+  """Element i of each TensorArray of _FedArrays, read where its column is."""
+  reads = []
+  for array, column in zip(arrays, columns):
+    with tf.device(column[0].device):
+      reads.append(array.read(i))
+  return reads
 
 
 def _LeftSpecs(one, period):
@@ -306,5 +483,5 @@ def _PutBack(one, left, reads, repeats, stride):
       if kind == 'losses':
         losses.append(value)
       else:
-        getattr(one, kind)[key + r * stride] = value
+        getattr(one, kind)[_Key(key, r * stride)] = value
   one.losses += losses

@@ -86,11 +86,11 @@ def _LoopLines(task: tf.Module, batch_size: int | None, traced: float) -> list[s
   lines = []
   for pipe in jobs.Pipelines(task):
     p = pipe.params
-    # Those that never loop (docs/pipeline.md): fill-drain, whose stashed inputs pile up;
-    # forwards kept on tapes (remat 'never' outside a split backward); several replicas;
-    # inlined calls (a debugging run); micro-batches of uneven size.
-    if (pipe.num_replicas > 1 or not batch_size or p.schedule == 'gpipe' or
-        p.inline_cell_functions or batch_size % pipe.GetSchedule(batch_size).num_micro_batches):
+    # Those that never loop (docs/pipeline.md): forwards kept on tapes (remat 'never'
+    # outside a split backward); several replicas; inlined calls (a debugging run);
+    # micro-batches of uneven size.
+    if (pipe.num_replicas > 1 or not batch_size or p.inline_cell_functions or
+        batch_size % pipe.GetSchedule(batch_size).num_micro_batches):
       continue
     instructions = pipe.GetProgram(batch_size).instructions
     if p.remat == 'never' and not any(
