@@ -155,6 +155,17 @@ def testAutoLoopsALongSteadyStateOnly():
   assert steady_state.Looped(steady_state.Windows(program), inlined) == []
 
 
+@pytest.mark.parametrize('text, value', [('False', False), ('True', True), ("'auto'", 'auto')])
+def testALoopSettingReadsFromAnOverrideAndRoundTrips(text, value):
+  """The trainer's --model_params_override text gives the bool, not the string 'False'."""
+  p = gpipe.PipeliningLayer.Params()
+  p.FromText(f'loop_steady_state : {text}')
+  assert p.loop_steady_state is value or p.loop_steady_state == value == 'auto'
+  again = gpipe.PipeliningLayer.Params()
+  again.FromText(p.ToText())
+  assert again.loop_steady_state == value and type(again.loop_steady_state) is type(value)
+
+
 @pytest.mark.parametrize('value', ['yes', 1, None])
 def testALoopSettingIsTrueFalseOrAuto(value):
   with pytest.raises(ValueError, match=f"loop_steady_state must be True, False or 'auto', got "

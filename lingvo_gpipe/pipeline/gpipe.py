@@ -117,7 +117,7 @@ class PipeliningLayer(base_layer.BaseLayer):
              "order stay the schedule's): True, False, or 'auto', which loops where the "
              'stretches hold at least steady_state.AUTO_MIN_INSTRUCTIONS instructions (K=8, '
              "M=64: yes; K=4, M=16: no) unless inline_cell_functions. Needs equal "
-             "micro-batches; remat 'never' forwards stay unrolled.")
+             "micro-batches; remat 'never' forwards stay unrolled.", kinds=(bool, str))
     p.Define('inline_cell_functions', False,
              "Inline each action's call of its chunk's function. Off, start-up stays small at "
              "large K x M, but an op failing in a chunk may surface only as CancelledError "
