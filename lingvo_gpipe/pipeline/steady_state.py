@@ -215,7 +215,7 @@ class _Plan:
           chain.append(_Key(chain[-1], stride))
         if _Key(chain[-1], stride) in made:
           slots.update(chain)
-        elif len(chain) >= repeats:  # Iteration r's value is chain[r].
+        elif len(chain) >= repeats and not slots & set(chain):  # Iteration r's is chain[r].
           fed.append((name, k))
           untouched -= set(chain)
         else:
