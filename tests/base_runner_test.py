@@ -4,6 +4,7 @@ import pytest
 import tensorflow as tf
 
 from lingvo_gpipe.foundation import errors
+from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.runners import base_runner
 
 
@@ -97,3 +98,28 @@ def testACancelledEvaluationStepSaysHowToSeeTheFailingOpsError():
 
   with pytest.raises(tf.errors.CancelledError, match='inline_cell_functions'):
     base_runner.Evaluate(EvalFn, tf.data.Dataset.range(2), None)
+
+
+class _NoCheckpoints:
+  latest = None
+
+  def Save(self):
+    pass
+
+
+def testTheFirstLoopCallsTimeIsLoggedOnceWithItsSteps(caplog):
+  """Start-up after tracing (graph optimization, placement) shows as the first call's line."""
+  step = tf.Variable(0, dtype=tf.int64)
+
+  def LoopFn(iterator, num_steps):
+    del iterator
+    step.assign_add(num_steps)
+    return py_utils.NestedMap(finite=tf.constant(True), skips=tf.constant(0))
+
+  caplog.set_level('INFO')
+  base_runner.RunTraining(LoopFn, iter([]), step, _NoCheckpoints(), None,
+                          base_runner.LoopSettings(max_steps=6, steps_per_loop=2), None)
+  lines = [r.getMessage() for r in caplog.records if 'first call of the training' in r.getMessage()]
+  assert len(lines) == 1, lines
+  assert lines[0].startswith('The first call of the training loop took ')
+  assert 'then ran steps 1-2 (speeds leave this call out)' in lines[0]

@@ -296,6 +296,15 @@ def _NonFinite(out: py_utils.NestedMap) -> tuple[str, bool]:
           f'learning rate {learning_rate:g} made weights not finite', True)
 
 
+def _LogFirstCall(first_step: int, last_step: int, seconds: float) -> None:
+  """The first loop call's time: where start-up goes after tracing (docs/pipeline.md)."""
+  steps = (f'step {last_step}' if last_step == first_step + 1 else
+           f'steps {first_step + 1}-{last_step}')
+  logging.info('The first call of the training loop took %.1f s: TensorFlow optimized, placed '
+               'and partitioned the traced graph, then ran %s (speeds leave this call out).',
+               seconds, steps)
+
+
 def _LogSkips(out: py_utils.NestedMap, first_step: int, last_step: int) -> None:
   """A line when float16 overflows skipped steps of a loop call (out.skips)."""
   skips = int(out.skips)
@@ -340,6 +349,7 @@ def RunTraining(loop_fn: Callable[..., py_utils.NestedMap], iterator: Iterator,
   step = int(global_step.numpy())
   progress = _Progress(s.max_steps, batch_size)
   measured_before = False
+  first_call = True
   while step < s.max_steps and not (stop and stop.Stopped()):
     # Loops end at checkpoint steps, so checkpoints land on multiples of the interval.
     to_save = s.save_interval_steps - step % s.save_interval_steps
@@ -372,6 +382,9 @@ def RunTraining(loop_fn: Callable[..., py_utils.NestedMap], iterator: Iterator,
                            f'{checkpointer.latest or "none"}.')
     if not measure:  # A measured step's time includes tracing it and the timing ops.
       progress.Record(new_step - step, seconds)
+    if first_call:
+      _LogFirstCall(step, new_step, seconds)
+      first_call = False
     speed = progress.Speed(None if measure else new_step - step, seconds)
     if _Crossed(step, new_step, s.summary_interval_steps):
       scalars = {name: value for name, (value, _) in out.metrics.items()}
