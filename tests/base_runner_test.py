@@ -122,4 +122,4 @@ def testTheFirstLoopCallsTimeIsLoggedOnceWithItsSteps(caplog):
   lines = [r.getMessage() for r in caplog.records if 'first call of the training' in r.getMessage()]
   assert len(lines) == 1, lines
   assert lines[0].startswith('The first call of the training loop took ')
-  assert 'then ran steps 1-2 (speeds leave this call out)' in lines[0]
+  assert ' s, steps 1-2: a new graph' in lines[0] and 'speeds leave this call out' in lines[0]

@@ -300,9 +300,9 @@ def _LogFirstCall(first_step: int, last_step: int, seconds: float) -> None:
   """The first loop call's time: where start-up goes after tracing (docs/pipeline.md)."""
   steps = (f'step {last_step}' if last_step == first_step + 1 else
            f'steps {first_step + 1}-{last_step}')
-  logging.info('The first call of the training loop took %.1f s: TensorFlow optimized, placed '
-               'and partitioned the traced graph, then ran %s (speeds leave this call out).',
-               seconds, steps)
+  logging.info('The first call of the training loop took %.1f s, %s: a new graph\'s first run '
+               'includes TensorFlow optimizing, placing and partitioning it (speeds leave this '
+               'call out).', seconds, steps)
 
 
 def _LogSkips(out: py_utils.NestedMap, first_step: int, last_step: int) -> None:
