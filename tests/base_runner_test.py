@@ -116,7 +116,7 @@ def testTheFirstLoopCallsTimeIsLoggedOnceWithItsSteps(caplog):
     step.assign_add(num_steps)
     return py_utils.NestedMap(finite=tf.constant(True), skips=tf.constant(0))
 
-  caplog.set_level('INFO')
+  caplog.set_level('INFO', logger='absl')  # Whatever verbosity an earlier test left.
   base_runner.RunTraining(LoopFn, iter([]), step, _NoCheckpoints(), None,
                           base_runner.LoopSettings(max_steps=6, steps_per_loop=2), None)
   lines = [r.getMessage() for r in caplog.records if 'first call of the training' in r.getMessage()]
