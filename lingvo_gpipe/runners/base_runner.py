@@ -296,21 +296,25 @@ def _NonFinite(out: py_utils.NestedMap) -> tuple[str, bool]:
           f'learning rate {learning_rate:g} made weights not finite', True)
 
 
+def _Steps(first_step: int, last_step: int) -> str:
+  """The steps a loop call from global step `first_step` to `last_step` ran, as logs say them."""
+  return (f'step {last_step}' if last_step == first_step + 1 else
+          f'steps {first_step + 1}-{last_step}')
+
+
 def _LogFirstCall(first_step: int, last_step: int, seconds: float) -> None:
   """The first loop call's time: where start-up goes after tracing (docs/pipeline.md)."""
-  steps = (f'step {last_step}' if last_step == first_step + 1 else
-           f'steps {first_step + 1}-{last_step}')
   logging.info('The first call of the training loop took %.1f s, %s: a new graph\'s first run '
                'includes TensorFlow optimizing, placing and partitioning it (speeds leave this '
-               'call out).', seconds, steps)
+               'call out).', seconds, _Steps(first_step, last_step))
 
 
 def _LogSkips(out: py_utils.NestedMap, first_step: int, last_step: int) -> None:
   """A line when float16 overflows skipped steps of a loop call (out.skips)."""
   skips = int(out.skips)
   if skips:
-    steps = (f'step {last_step}' if last_step == first_step + 1 else
-             f'steps {first_step + 1}-{last_step}: {skips}')
+    steps = _Steps(first_step, last_step)
+    steps += '' if last_step == first_step + 1 else f': {skips}'
     logging.info('%s skipped (float16 gradients overflowed; nothing applied); loss scale now '
                  '%g.', steps, float(out.loss_scale))
 
