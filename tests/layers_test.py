@@ -94,6 +94,28 @@ def testProjectionMatchesNumpyOnRank3(activation):
   _Close(layer(x), _RefProjection(_NumpyVars(layer), x, activation))
 
 
+@pytest.mark.parametrize('signature_shape,reshapes', [
+    ([3, 4], 0),  # Rank 2: the matmul alone.
+    ([2, 5, 4], 2),  # Known: to 2-D and back, to constant shapes.
+    ([None, None, 4], 2),  # Read when the step runs.
+])
+def testProjectionInAGraphReshapesOnlyWhatItMust(signature_shape, reshapes):
+  """Each op of a cell is made again at every call site while TensorFlow prepares a pipelined
+  step: a rank-2 projection takes no reshapes, a known shape no ops to compute it."""
+  layer = _Build(layers.ProjectionLayer, input_dim=4, output_dim=3, activation='RELU')
+  layer.vars.b.assign([0.1, -0.2, 0.3])
+  fprop = tf.function(lambda x: layer.FProp(layer.theta, x), autograph=False,
+                      input_signature=[tf.TensorSpec(signature_shape, tf.float32)])
+  graph = fprop.get_concrete_function().graph
+  types = [op.type for op in graph.get_operations()]
+  assert types.count('Reshape') == reshapes
+  assert ('Shape' in types) == (None in signature_shape[:-1])
+  x = _Normal([d or 2 for d in signature_shape])
+  out = fprop(x)
+  assert out.shape == list(x.shape[:-1]) + [3]
+  _Close(out, _RefProjection(_NumpyVars(layer), x, 'RELU'))
+
+
 def testProjectionWithoutBias():
   layer = _Build(layers.ProjectionLayer, input_dim=4, output_dim=3, has_bias=False)
   assert sorted(layer.vars) == ['w']

@@ -17,6 +17,21 @@ from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.layers import layer_utils
 from lingvo_gpipe.layers import remat
 
+
+def _LastDimMatMul(x, w, input_dim, output_dim):
+  """x [..., in] @ w [in, out] as one 2-D matmul: an ellipsis einsum's weight gradient
+  materializes [rows, in, out]. A rank-2 x needs no reshapes and a known shape is a constant:
+  TensorFlow reads a pipeline chunk's function again at each call while it prepares the
+  step's graph, so every op saved here is saved at every action."""
+  if x.shape.rank == 2:
+    return tf.matmul(x, w)
+  y = tf.matmul(tf.reshape(x, [-1, input_dim]), w)
+  shape = x.shape[:-1].concatenate([output_dim])
+  if not shape.is_fully_defined():
+    shape = tf.concat([tf.shape(x)[:-1], [output_dim]], 0)
+  return tf.reshape(y, shape)
+
+
 class ProjectionLayer(base_layer.BaseLayer):
   """Fully connected: act(x @ w + b) over the last dimension of inputs of any rank."""
 
@@ -44,9 +59,7 @@ class ProjectionLayer(base_layer.BaseLayer):
     """[..., input_dim] -> [..., output_dim]."""
     theta = self.ToFPropDtype(theta)
     x = self.ToFPropDtype(inputs)
-    # A 2-D matmul: an ellipsis einsum's weight gradient materializes [rows, in, out].
-    y = tf.matmul(tf.reshape(x, [-1, self.params.input_dim]), theta.w)
-    y = tf.reshape(y, tf.concat([tf.shape(x)[:-1], [self.params.output_dim]], 0))
+    y = _LastDimMatMul(x, theta.w, self.params.input_dim, self.params.output_dim)
     return layer_utils.BiasAndActivation(y, theta, self.params)
 
   @classmethod
