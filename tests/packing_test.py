@@ -81,3 +81,22 @@ def testGradientsOfUnpackedWeightsEqualThoseOfTheWeights():
   got = tf.function(lambda t: Grads(packer.Pack(t)), autograph=False)(theta)
   for key in ('w', 'b'):
     np.testing.assert_allclose(got[key].numpy(), expected[key].numpy(), rtol=1e-6, atol=1e-7)
+
+
+def testUnpackTakesANodePerItemAndAFewSharedOnes():
+  """A call's function is read again at each call site while TensorFlow prepares a step, so
+  unpacking shares the items' indices and their shapes' constants."""
+  shapes = [[4, 8], [8], [8, 4], [4]] * 6
+  theta = [tf.zeros(shape) for shape in shapes]
+  packer = packing.Packing(theta)
+
+  @tf.function(autograph=False)
+  def Unpacked(packed):
+    return packer.Unpack(packed)
+
+  graph = Unpacked.get_concrete_function(packer.Pack(theta)).graph
+  types = [op.type for op in graph.get_operations()]
+  assert types.count('TensorListGetItem') == len(shapes)
+  assert types.count('Const') <= len({tuple(s) for s in shapes}) + 3  # + the range's.
+  out = Unpacked(packer.Pack(theta))
+  assert [x.shape.as_list() for x in out] == shapes

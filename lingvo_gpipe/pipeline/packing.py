@@ -60,7 +60,15 @@ class Packing:
     return Packed(tuple(lists), tuple(x for x, at in zip(leaves, self._places) if at is None))
 
   def Unpack(self, packed: Packed) -> Any:
-    """The structure that `packed` holds, its shapes known."""
+    """The structure that `packed` holds, its shapes known.
+
+    The items' indices come from one unstack of a range, and items of one shape share its
+    constant: a node per item where there were three. TensorFlow reads a called function's
+    body again at each of its call sites while it prepares a step's graph, so a function's
+    nodes cost start-up at every action (docs/benchmarks/2026-12-07-startup.md)."""
+    counts = [at[1] + 1 for at in self._places if at is not None]
+    indices = tf.unstack(tf.range(max(counts))) if counts else []
+    shapes = {}
     others = iter(packed.others)
     leaves = []
     for at in self._places:
@@ -68,8 +76,11 @@ class Packing:
         leaves.append(next(others))
       else:
         k, index, shape = at
+        key = None if shape.rank is None else tuple(shape.as_list())
+        if key not in shapes:
+          shapes[key] = _ShapeTensor(shape)
         leaves.append(tf.raw_ops.TensorListGetItem(
-            input_handle=packed.lists[k], index=index, element_shape=_ShapeTensor(shape),
+            input_handle=packed.lists[k], index=indices[index], element_shape=shapes[key],
             element_dtype=self._dtypes[k]))
     return tf.nest.pack_sequence_as(self._structure, leaves)
 
