@@ -109,7 +109,7 @@ def testProjectionInAGraphReshapesOnlyWhatItMust(signature_shape, reshapes):
   graph = fprop.get_concrete_function().graph
   types = [op.type for op in graph.get_operations()]
   assert types.count('Reshape') == reshapes
-  assert ('Shape' in types) == (None in signature_shape[:-1])
+  assert ('ConcatV2' in types) == (None in signature_shape[:-1])  # The shape, computed.
   x = _Normal([d or 2 for d in signature_shape])
   out = fprop(x)
   assert out.shape == list(x.shape[:-1]) + [3]
@@ -263,6 +263,21 @@ def testAttentionMatchesNumpy(causal):
   out = layer.FProp(layer.theta, x, kv, kv * 2.0, paddings)
   expected = _RefAttention(_NumpyVars(layer), x, kv, kv * 2.0, 2, paddings, causal)
   _Close(out, expected)
+
+
+@pytest.mark.parametrize('shape', [[2, 3, 4], [None, None, 4]])
+def testCausalAttentionInAGraphComputesShapesOnlyWhenUnknown(shape):
+  """As a projection's (testProjectionInAGraphReshapesOnlyWhatItMust): known shapes are
+  constants, unknown ones are read when the step runs; both give the same numbers."""
+  layer = _Build(layers.MultiHeadedAttention, input_dim=4, hidden_dim=6, num_heads=2,
+                 causal=True)
+  spec = tf.TensorSpec(shape, tf.float32)
+  fprop = tf.function(lambda x, kv: layer.FProp(layer.theta, x, kv, kv * 2.0),
+                      autograph=False, input_signature=[spec, spec])
+  types = [op.type for op in fprop.get_concrete_function().graph.get_operations()]
+  assert ('ConcatV2' in types) == (None in shape)  # Shapes of heads, computed.
+  x, kv = _Normal([2, 3, 4], 1), _Normal([2, 3, 4], 2)
+  _Close(fprop(x, kv), _RefAttention(_NumpyVars(layer), x, kv, kv * 2.0, 2, causal=True))
 
 
 def testAttentionDefaultsToSelfAttention():

@@ -20,16 +20,12 @@ from lingvo_gpipe.layers import remat
 
 def _LastDimMatMul(x, w, input_dim, output_dim):
   """x [..., in] @ w [in, out] as one 2-D matmul: an ellipsis einsum's weight gradient
-  materializes [rows, in, out]. A rank-2 x needs no reshapes and a known shape is a constant:
-  TensorFlow reads a pipeline chunk's function again at each call while it prepares the
-  step's graph, so every op saved here is saved at every action."""
+  materializes [rows, in, out]. A rank-2 x needs no reshapes (layer_utils.LeadingDimsThen
+  says why each op counts)."""
   if x.shape.rank == 2:
     return tf.matmul(x, w)
   y = tf.matmul(tf.reshape(x, [-1, input_dim]), w)
-  shape = x.shape[:-1].concatenate([output_dim])
-  if not shape.is_fully_defined():
-    shape = tf.concat([tf.shape(x)[:-1], [output_dim]], 0)
-  return tf.reshape(y, shape)
+  return tf.reshape(y, layer_utils.LeadingDimsThen(x, -1, [output_dim]))
 
 
 class ProjectionLayer(base_layer.BaseLayer):

@@ -86,6 +86,17 @@ def Normalize(x32, mean, variance, epsilon, scale, bias):
   return tf.cast(normed, scale.dtype) * scale + bias
 
 
+def LeadingDimsThen(like, keep, dims):
+  """The shape of `like`'s dimensions [:keep] followed by `dims`, for tf.reshape: a constant
+  where those are known, as they are in a pipeline's cells (TensorFlow reads a chunk's
+  function again at each of its calls while it prepares the step, so ops saved in a cell are
+  saved at every action), else a tensor read when the step runs."""
+  shape = like.shape[:keep].concatenate(dims)
+  if shape.is_fully_defined():
+    return shape
+  return tf.concat([tf.shape(like)[:keep], dims], 0)
+
+
 def LargeNegative(dtype):
   """A logit that softmax turns into 0, yet finite in `dtype` (bfloat16/float16 too)."""
   return tf.constant(-0.7 * dtype.max, dtype)

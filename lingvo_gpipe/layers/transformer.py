@@ -65,8 +65,8 @@ class MultiHeadedAttention(base_layer.BaseLayer):
 
   def _SplitHeads(self, x):
     """[B, T, hidden_dim] -> [B, T, num_heads, head_dim]."""
-    shape = tf.concat([tf.shape(x)[:-1], [self.params.num_heads, self._head_dim]], axis=0)
-    return tf.reshape(x, shape)
+    return tf.reshape(x, layer_utils.LeadingDimsThen(
+        x, -1, [self.params.num_heads, self._head_dim]))
 
   def _ValidMask(self, paddings, query, key):
     """Where a query may attend: bool broadcastable to [B, N, T, S], or None."""
@@ -78,7 +78,9 @@ class MultiHeadedAttention(base_layer.BaseLayer):
       if t is not None and s is not None and t != s:
         raise ValueError(f'{self.path}: causal attention needs as many queries as keys, '
                          f'got {t} and {s}.')
-      causal = tf.range(tf.shape(query)[1])[:, tf.newaxis] >= tf.range(tf.shape(key)[1])
+      t = tf.shape(query)[1] if t is None else t
+      s = tf.shape(key)[1] if s is None else s
+      causal = tf.range(t)[:, tf.newaxis] >= tf.range(s)
       valid = causal if valid is None else tf.logical_and(valid, causal)
     return valid
 
@@ -110,8 +112,8 @@ class MultiHeadedAttention(base_layer.BaseLayer):
     probs = tf.cast(tf.nn.softmax(logits), q.dtype)
     probs = self.atten_dropout.FProp(theta.atten_dropout, probs)
     context = tf.einsum('bnts,bsnh->btnh', probs, v)
-    context = tf.reshape(context, tf.concat([tf.shape(context)[:-2], [_HiddenDim(self.params)]],
-                                            axis=0))
+    context = tf.reshape(context, layer_utils.LeadingDimsThen(
+        context, -2, [_HiddenDim(self.params)]))
     return self.post_proj.FProp(theta.post_proj, context)
 
   @classmethod
