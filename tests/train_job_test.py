@@ -45,6 +45,16 @@ def testAnAutoLoopIsSaidWithHowToUnrollIt():
   assert 'each traced on its own (loop_steady_state=False)' in unrolled
 
 
+def testTapedForwardsGetTheRematHintAfterALongTrace():
+  # remat='never' keeps each forward on a tape, so 1F1B's steady state cannot loop.
+  hint, = train_job._LoopLines(_Task(16, remat='never'), BATCH, LONG)
+  assert "remat='never' keeps each forward on a tape" in hint
+  assert "task.stack.remat : 'always'" in hint
+  assert 'instructions repeat' in hint
+  assert train_job._LoopLines(_Task(16, remat='never'), BATCH, 0.1) == []  # A short trace.
+  assert train_job._LoopLines(_Task(4, remat='never'), BATCH, LONG) == []  # Nothing repeats.
+
+
 def testNoHintWhereTheLoopIsOnOrNothingRepeatsOrNothingWouldLoop():
   assert train_job._LoopLines(_Task(16, loop_steady_state=True), BATCH, LONG) == []
   assert train_job._LoopLines(_Task(64, batch=128, loop_steady_state=True), 128, LONG) == []
@@ -52,7 +62,6 @@ def testNoHintWhereTheLoopIsOnOrNothingRepeatsOrNothingWouldLoop():
   assert train_job._LoopLines(_Task(16, inline_cell_functions=True), BATCH, LONG) == []
   assert train_job._LoopLines(_Task(64, batch=130), 130, LONG) == []  # Uneven micro-batches.
   assert train_job._LoopLines(_Task(16, 'gpipe'), BATCH, LONG)  # Short: unrolled.
-  assert train_job._LoopLines(_Task(16, remat='never'), BATCH, LONG) == []  # Taped forwards.
   assert train_job._LoopLines(_Task(16, 'zb_h1', remat='never'), BATCH, LONG)  # B and W loop.
   assert train_job._LoopLines(_Task(4), BATCH, LONG) == []  # M = K: no three repeats.
   assert train_job._LoopLines(_Task(16), None, LONG) == []  # No batch size known: no program.

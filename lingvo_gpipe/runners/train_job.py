@@ -81,24 +81,30 @@ LONG_TRACE_SECS = 5.0  # A trace this long gets the hint of _LoopLines.
 
 def _LoopLines(task: tf.Module, batch_size: int | None, traced: float) -> list[str]:
   """Per pipeline whose steady state 'auto' loops, a line saying so and how to unroll it; per
-  pipeline that unrolls one (loop_steady_state False, or 'auto' on a short one) after a trace
-  of over LONG_TRACE_SECS, how much repeats and how to trace that once (docs/pipeline.md)."""
+  pipeline that unrolls one after a trace of over LONG_TRACE_SECS (loop_steady_state False,
+  'auto' on a short one, forwards kept on tapes), how much repeats and how to trace that once
+  (docs/pipeline.md)."""
   lines = []
   for pipe in jobs.Pipelines(task):
     p = pipe.params
-    # Those that never loop (docs/pipeline.md): forwards kept on tapes (remat 'never'
-    # outside a split backward); several replicas; inlined calls (a debugging run);
-    # micro-batches of uneven size.
+    # Those that never loop (docs/pipeline.md): several replicas; inlined calls (a debugging
+    # run); micro-batches of uneven size.
     if (pipe.num_replicas > 1 or not batch_size or p.inline_cell_functions or
         batch_size % pipe.GetSchedule(batch_size).num_micro_batches):
       continue
     instructions = pipe.GetProgram(batch_size).instructions
-    if p.remat == 'never' and not any(
-        i.kind == schedule_actions.INPUT_GRAD for i in instructions):
-      continue
     windows = steady_state.Windows(instructions)
     repeated = sum(w.end - w.start for w in windows)
     counts = f'{repeated:,} of its {len(instructions):,} instructions repeat (a steady state)'
+    if p.remat == 'never' and not any(
+        i.kind == schedule_actions.INPUT_GRAD for i in instructions):  # Taped forwards.
+      if repeated and traced > LONG_TRACE_SECS:
+        lines.append(
+            f"Pipeline {pipe.path}: {counts}, each traced on its own: remat='never' keeps each "
+            "forward on a tape, which no loop carries; remat='always' (e.g. "
+            "--model_params_override=\"task.stack.remat : 'always'\") traces one period: a "
+            'faster start, for a forward recomputed in each backward (docs/pipeline.md).')
+      continue
     if steady_state.Looped(windows, p) and p.loop_steady_state == 'auto':
       lines.append(
           f"Pipeline {pipe.path}: {counts}, run as one loop (loop_steady_state='auto'): a "
