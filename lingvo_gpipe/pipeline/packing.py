@@ -65,7 +65,7 @@ class Packing:
     The items' indices come from one unstack of a range, and items of one shape share its
     constant: a node per item where there were three. TensorFlow reads a called function's
     body again at each of its call sites while it prepares a step's graph, so a function's
-    nodes cost start-up at every action (docs/benchmarks/2026-12-07-startup.md)."""
+    nodes cost start-up at every action (docs/benchmarks/2026-12-08-call-sites.md)."""
     counts = [at[1] + 1 for at in self._places if at is not None]
     indices = tf.unstack(tf.range(max(counts))) if counts else []
     shapes = {}
