@@ -18,16 +18,6 @@ from lingvo_gpipe.layers import layer_utils
 from lingvo_gpipe.layers import remat
 
 
-def _LastDimMatMul(x, w, input_dim, output_dim):
-  """x [..., in] @ w [in, out] as one 2-D matmul: an ellipsis einsum's weight gradient
-  materializes [rows, in, out]. A rank-2 x needs no reshapes (layer_utils.LeadingDimsThen
-  says why each op counts)."""
-  if x.shape.rank == 2:
-    return tf.matmul(x, w)
-  y = tf.matmul(tf.reshape(x, [-1, input_dim]), w)
-  return tf.reshape(y, layer_utils.LeadingDimsThen(x, -1, [output_dim]))
-
-
 class ProjectionLayer(base_layer.BaseLayer):
   """Fully connected: act(x @ w + b) over the last dimension of inputs of any rank."""
 
@@ -55,7 +45,7 @@ class ProjectionLayer(base_layer.BaseLayer):
     """[..., input_dim] -> [..., output_dim]."""
     theta = self.ToFPropDtype(theta)
     x = self.ToFPropDtype(inputs)
-    y = _LastDimMatMul(x, theta.w, self.params.input_dim, self.params.output_dim)
+    y = layer_utils.LastDimMatMul(x, theta.w, self.params.input_dim, self.params.output_dim)
     return layer_utils.BiasAndActivation(y, theta, self.params)
 
   @classmethod

@@ -97,6 +97,16 @@ def LeadingDimsThen(like, keep, dims):
   return tf.concat([tf.shape(like)[:keep], dims], 0)
 
 
+def LastDimMatMul(x, w, input_dim, output_dim, transpose_b=False):
+  """x [..., input_dim] @ w [input_dim, output_dim] (w [output_dim, input_dim] with
+  transpose_b) as one 2-D matmul: an ellipsis einsum's weight gradient materializes
+  [rows, in, out]. A rank-2 x needs no reshapes (LeadingDimsThen says why each op counts)."""
+  if x.shape.rank == 2:
+    return tf.matmul(x, w, transpose_b=transpose_b)
+  y = tf.matmul(tf.reshape(x, [-1, input_dim]), w, transpose_b=transpose_b)
+  return tf.reshape(y, LeadingDimsThen(x, -1, [output_dim]))
+
+
 def LargeNegative(dtype):
   """A logit that softmax turns into 0, yet finite in `dtype` (bfloat16/float16 too)."""
   return tf.constant(-0.7 * dtype.max, dtype)

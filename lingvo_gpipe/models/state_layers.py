@@ -184,9 +184,8 @@ class SharedEmbeddingProjection(base_layer.BaseLayer):
     p = self.params
     theta = self.ToFPropDtype(theta)
     x = self.ToFPropDtype(inputs)
-    # A 2-D matmul, as ProjectionLayer's: an ellipsis einsum's weight gradient is 3-D.
-    logits = tf.matmul(tf.reshape(x, [-1, p.input_dim]), theta.emb, transpose_b=True)
-    return tf.reshape(logits, tf.concat([tf.shape(x)[:-1], [p.output_dim]], 0)) + theta.b
+    return layer_utils.LastDimMatMul(x, theta.emb, p.input_dim, p.output_dim,
+                                     transpose_b=True) + theta.b
 
   @classmethod
   def FPropMeta(cls, params, input_shape):
