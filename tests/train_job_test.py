@@ -53,6 +53,8 @@ def testTapedForwardsGetTheRematHintAfterALongTrace():
   assert 'instructions repeat' in hint
   assert train_job._LoopLines(_Task(16, remat='never'), BATCH, 0.1) == []  # A short trace.
   assert train_job._LoopLines(_Task(4, remat='never'), BATCH, LONG) == []  # Nothing repeats.
+  # Unrolled on request: remat='always' would not loop it either.
+  assert train_job._LoopLines(_Task(16, remat='never', loop_steady_state=False), BATCH, LONG) == []
 
 
 def testNoHintWhereTheLoopIsOnOrNothingRepeatsOrNothingWouldLoop():

@@ -98,7 +98,7 @@ def _LoopLines(task: tf.Module, batch_size: int | None, traced: float) -> list[s
     counts = f'{repeated:,} of its {len(instructions):,} instructions repeat (a steady state)'
     if p.remat == 'never' and not any(
         i.kind == schedule_actions.INPUT_GRAD for i in instructions):  # Taped forwards.
-      if repeated and traced > LONG_TRACE_SECS:
+      if repeated and p.loop_steady_state is not False and traced > LONG_TRACE_SECS:
         lines.append(
             f"Pipeline {pipe.path}: {counts}, each traced on its own: remat='never' keeps each "
             "forward on a tape, which no loop carries; remat='always' (e.g. "
