@@ -45,16 +45,12 @@ def testAnAutoLoopIsSaidWithHowToUnrollIt():
   assert 'each traced on its own (loop_steady_state=False)' in unrolled
 
 
-def testTapedForwardsGetTheRematHintAfterALongTrace():
-  # remat='never' keeps each forward on a tape, so 1F1B's steady state cannot loop.
+def testForwardsWithoutRematLoopAndGetTheSameHints():
+  # remat='never' hands each forward's saved tensors to its backward: its steady state loops.
+  line, = train_job._LoopLines(_Task(64, batch=128, remat='never'), 128, 0.1)
+  assert "run as one loop (loop_steady_state='auto')" in line
   hint, = train_job._LoopLines(_Task(16, remat='never'), BATCH, LONG)
-  assert "remat='never' keeps each forward on a tape" in hint
-  assert "task.stack.remat : 'always'" in hint
-  assert 'instructions repeat' in hint
-  assert train_job._LoopLines(_Task(16, remat='never'), BATCH, 0.1) == []  # A short trace.
-  assert train_job._LoopLines(_Task(4, remat='never'), BATCH, LONG) == []  # Nothing repeats.
-  # Unrolled on request: remat='always' would not loop it either.
-  assert train_job._LoopLines(_Task(16, remat='never', loop_steady_state=False), BATCH, LONG) == []
+  assert 'loop_steady_state : True' in hint
 
 
 def testNoHintWhereTheLoopIsOnOrNothingRepeatsOrNothingWouldLoop():

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from lingvo_gpipe.foundation import py_utils
 from lingvo_gpipe.pipeline import packing
+from lingvo_gpipe.pipeline import saved_forward
 from lingvo_gpipe.pipeline import step_timing
 from lingvo_gpipe.pipeline import weight_grads
 
@@ -146,14 +147,14 @@ class CellFunctions:
   trace's calls would rely on. A backward adds the weight gradients to the
   chunk's `grad_sum` in place, which `Zero` starts each pass at.
 
-    Forward       the chunk's outputs (under a caller's tape when not
-                  re-materialized: TensorFlow then keeps what the backward
-                  needs as the call's extra outputs);
+    Forward       the chunk's outputs;
+    SavingForward the chunk's outputs and what its backward needs, where it is
+                  not re-materialized (saved_forward.py);
+    SavedBackward BW without remat: both gradients from what SavingForward saved;
     Backward      BW: the recompute and both gradients;
     InputGrad     B: the recompute, the input gradient, and what W needs, as
                   tensors (weight_grads.py) in TensorLists (packing.py);
     WeightGrad    W: the weight gradients from what B handed over;
-    Accumulate    adds gradients taken from a caller's tape to the sum;
     Zero          starts the sum of a pass.
   """
 
@@ -169,10 +170,13 @@ class CellFunctions:
       return py_utils.DistinctFunction(method, name=f'chunk{chunk}{method.__name__}', **kwargs)
 
     self._forward = Function(self._Forward, **jit)
+    self._saving_forward = Function(self._SavingForward, **options)
+    self._saved_backward = Function(self._SavedBackward, **options)
+    self._saved_by, self._saved_layouts = [], []  # Per trace of _SavingForward: its graph,
+    # and how its saved tensors come back (saved_forward.Pair, packing.Packing).
     self._backward = Function(self._Backward, **jit)
     self._input_grad = Function(self._InputGrad, **options)
     self._weight_grad = Function(self._WeightGrad, **options)
-    self._accumulate = Function(self._Accumulate, **options)
     self._zero = Function(self._Zero, **options)
     self._packing = None  # How Weights packs the chunk's theta (packing.py).
     self._handed = None  # How B packs what it hands W (B's last trace's).
@@ -212,6 +216,22 @@ class CellFunctions:
     for layer, layer_stats in updates:
       stats.setdefault(layer.path, []).append(layer_stats)
     return out, acts, stats
+
+  def _SavingForward(self, weights, args, where, step, training):
+    result, pair, saved = saved_forward.Forward(self._forward, self._Theta(weights), args,
+                                                where, step, training)
+    layout = packing.Packing(saved)
+    self._saved_by.append(tf.compat.v1.get_default_graph())
+    self._saved_layouts.append((pair, layout))
+    return result, layout.Pack(saved)
+
+  def _SavedBackward(self, weights, packed, grads_in, where, trace, arg_grads, may_be_empty):
+    pair, layout = self._saved_layouts[trace]
+    theta = self._Theta(weights)
+    with tf.device(self._device):
+      d_theta, d_args = saved_forward.Backward(pair, layout.Unpack(packed), grads_in)[:2]
+      added = self._Add(theta, _ZerosWhereNone(theta, d_theta), where, may_be_empty)
+    return d_args if arg_grads else None, added
 
   def _Add(self, theta, d_theta, where, may_be_empty):
     return _AddToSum(self.grad_sum, theta, d_theta, where[1] if may_be_empty else 1)
@@ -258,10 +278,6 @@ class CellFunctions:
           [None] * len(tf.nest.flatten(theta)), _FloatPositions(theta), d_theta))
       return self._Add(theta, _ZerosWhereNone(theta, d_theta), where, may_be_empty)
 
-  def _Accumulate(self, weights, d_theta, where, may_be_empty):
-    with tf.device(self._device):
-      return self._Add(self._Theta(weights), d_theta, where, may_be_empty)
-
   def _Zero(self, theta):
     with tf.device(self._device):
       return self.grad_sum.Zero(theta)
@@ -271,12 +287,30 @@ class CellFunctions:
     return self._zero(theta)
 
   def Forward(self, weights, args, where, step, training):
-    """(outputs, activations, [(layer, stats)]) of the chunk; `weights` is theta or
-    Weights(theta) (theta itself under a caller's tape), `where` the micro-batch's (offset in
-    the whole batch, size), `step` the training step (tensors)."""
-    out, acts, stats = self._forward(weights, args, where, step, training)
+    """(outputs, activations, [(layer, stats)]) of the chunk; `weights` is Weights(theta),
+    `where` the micro-batch's (offset in the whole batch, size), `step` the training step
+    (tensors)."""
+    return self._WithLayers(self._forward(weights, args, where, step, training))
+
+  def SavingForward(self, weights, args, where, step, training):
+    """Forward's (outputs, activations, [(layer, stats)]) and what SavedBackward takes for
+    the backward without a recompute: (which trace saved it, its tensors packed)."""
+    result, packed = self._saving_forward(weights, args, where, step, training)
+    graph = self._saving_forward.get_concrete_function(weights, args, where, step,
+                                                       training).graph
+    return self._WithLayers(result) + ((self._saved_by.index(graph), packed),)
+
+  def _WithLayers(self, result):
+    out, acts, stats = result
     by_path = self._layer.cell[self._chunk].LayersByPath()
     return out, acts, [(by_path[path], s) for path in sorted(stats) for s in stats[path]]
+
+  def SavedBackward(self, weights, saved, grads_in, where, rows, arg_grads=True):
+    """(input grads (None without arg_grads), the token of adding the weight gradients to
+    grad_sum) of the forward that left `saved`, its outputs weighted by `grads_in`."""
+    trace, packed = saved
+    return self._saved_backward(weights, packed, grads_in, where, trace, arg_grads,
+                                _MayBeEmpty(rows))
 
   def Backward(self, weights, args, grads_in, where, step, training, rows, clock=None,
                arg_grads=True):
@@ -297,7 +331,3 @@ class CellFunctions:
   def WeightGrad(self, weights, pending, where, rows):
     """The token of adding the weight gradients from B's `pending` to grad_sum."""
     return self._weight_grad(weights, pending, where, _MayBeEmpty(rows))
-
-  def Accumulate(self, weights, d_theta, where, rows):
-    """The token of adding `d_theta` (shaped like theta) to grad_sum."""
-    return self._accumulate(weights, d_theta, where, _MayBeEmpty(rows))

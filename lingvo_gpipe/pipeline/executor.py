@@ -8,10 +8,10 @@ whatever M is. A `Pass` runs one replica's instructions on what they hand each
 other (pass_state.py). Each instruction kind has one code path:
 
   F(m, c)   chunk c's forward on micro-batch m, handed to chunk c+1; without
-            remat under a tape, which keeps what the call's backward needs;
+            remat one that also returns what its backward needs (saved_forward.py);
   L(m)      the loss of micro-batch m (or of the whole batch) and its gradient,
             computed by the caller's `on_loss` (replicas.Replicas.Execute);
-  BW(m, c)  both gradients, from the forward's tape or a call that recomputes,
+  BW(m, c)  both gradients, from what the forward saved or a call that recomputes,
             the weight gradient added to the chunk's sum at once;
   B(m, c)   a call that recomputes the chunk and takes the input gradient, what
             the chunk before waits for, and what W needs: the gradients of the
@@ -146,8 +146,9 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
     return tf.nest.map_structure(lambda x: Release(x) if isinstance(x, tf.Tensor) else x, args)
 
   def _Forward(self, action, device):
-    """F: one call of the chunk's forward; without remat under a tape, which keeps what the
-    backward needs. A split backward's B recomputes: its forward keeps only its input."""
+    """F: one call of the chunk's forward; without remat one that also returns what the
+    backward needs (saved_forward.py), left for it where a re-materialized forward leaves its
+    input. A split backward's B recomputes: its forward keeps only its input."""
     m, c = action.micro_batch, action.chunk
     key = (m, c)
     if c == 0:
@@ -155,22 +156,19 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
       self.released.add(m)
     self.inputs[key] = args = self._ChunkArgs(m, c, self.inputs[key])
     waits, start = self._Begin(device, args)
-    taped = not (self._Remat(m) or key in self.split)
-    tape = tf.GradientTape(watch_accessed_variables=False) if taped else None
-    with tf.control_dependencies(waits), tape or contextlib.nullcontext():
-      if taped:
-        cell_functions.Watch(tape, self.thetas[c], args if self._WantsArgGrads(c) else ())
+    fn, remat = self.functions[c], self._Remat(m) or key in self.split
+    with tf.control_dependencies(waits):
       try:
-        out, acts, updates = self.functions[c].Forward(
-            self.thetas[c] if taped else self.weights[c], args, self._Where(m, device),
-            self.step, self.training)
+        call = fn.Forward if remat else fn.SavingForward
+        out, acts, updates, *saved = call(self.weights[c], args, self._Where(m, device),
+                                          self.step, self.training)
       except (AttributeError, KeyError) as e:
         if self.direct.Skipping(c):
           raise ValueError(self.direct.Explain(c, e)) from e
         raise
-    if taped:
-      self.tapes[key] = (tape, args if self._WantsArgGrads(c) else None, (out, acts))
-    if taped or not self.keep_inputs:
+    if saved:
+      self.inputs[key] = saved[0]
+    elif not self.keep_inputs:
       del self.inputs[key]
     self.updates += updates
     self.acts[key] = acts
@@ -194,22 +192,20 @@ class Pass(split_backward.SplitBackward, pass_results.PassResults):
       self.out_grads[(m, c - 1)] = d_args
 
   def _Backward(self, action, device):
-    """BW: both gradients, from the forward's tape or one call that recomputes; the weight
-    gradient is added to the chunk's sum at once."""
+    """BW: both gradients, from what the forward saved or one call that recomputes; the
+    weight gradient is added to the chunk's sum at once."""
     m, c = action.micro_batch, action.chunk
     grads_in = self._GradsIn(m, c)
     waits, start = self._Begin(device, grads_in)
     fn, where = self.functions[c], self._Where(m, device)
     with tf.control_dependencies(self._LastAdd(c, waits)):
-      if (m, c) in self.tapes:
-        tape, args, targets = self.tapes.pop((m, c))
-        d_args, d_theta = cell_functions.CellGradients(tape, targets, grads_in, args,
-                                                       self.thetas[c])
-        added = fn.Accumulate(self.weights[c], d_theta, where, self.sizes[m])
-        recomputed = None
-      else:
+      if self._Remat(m):
         d_args, added, recomputed = fn.Backward(
             self.weights[c], self.inputs.pop((m, c)), grads_in, where, self.step,
             self.training, self.sizes[m], self._Clock(device), self._WantsArgGrads(c))
+      else:
+        d_args, added = fn.SavedBackward(self.weights[c], self.inputs.pop((m, c)), grads_in,
+                                         where, self.sizes[m], self._WantsArgGrads(c))
+        recomputed = None
     self._HandOn(m, c, d_args)
     return self._End(device, action, start, (d_args, self._Added(c, added)), recomputed)

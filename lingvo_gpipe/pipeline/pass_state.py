@@ -1,7 +1,8 @@
 """The state of one replica's pipelined pass: what its actions hand each other.
 
-Per replica a pass keeps the boundary activations waiting for their chunk,
-forward tapes of micro-batches that are not re-materialized, output gradients
+Per replica a pass keeps the boundary activations waiting for their chunk (and,
+after a forward, its input for the backward, or what a forward without remat
+saved for it: saved_forward.py), output gradients
 waiting for their backward, what a pending W needs, each device's tokens and
 the token of each chunk's last add to its running sum of weight gradients (a
 GradientSum, added to in place). It is apart from the actions that read and
@@ -82,7 +83,6 @@ class PassState:
     self.direct = direct_inputs.DirectInputs(layer.params.last_chunk_inputs,
                                              layer.DefaultDirectInputs(), micro_args[0],
                                              self.num_chunks)
-    self.tapes = {}
     self.pending_w = {}
     self.outputs = {}  # The last chunk's outputs, kept for MergedOutputs (keep_outputs).
     self.to_losses = {}  # Those a micro-batch's loss (L) takes next (losses_follow).
@@ -169,14 +169,13 @@ class PassState:
             all(isinstance(n, int) and n == self.sizes[0] > 0 for n in self.sizes))
 
   def SameTrace(self, a, b):
-    """Whether actions a and b of one kind and chunk may run as one traced call in a loop: no
-    tape kept across it (a forward not re-materialized keeps one), alike micro-batches."""
+    """Whether actions a and b of one kind and chunk may run as one traced call in a loop:
+    alike micro-batches, both re-materialized or neither, neither a device's first."""
     def Kind(action):
       m = action.micro_batch
       return self._Remat(m), (m, action.chunk) in self.split, action in self.awaited
 
-    remat, split, awaited = Kind(a)
-    return Kind(a) == Kind(b) and (remat or split) and not awaited
+    return Kind(a) == Kind(b) and a not in self.awaited
 
   def CloseTokens(self):
     """Makes each device's tokens one tensor (a loop's variables keep one structure) and

@@ -16,7 +16,6 @@ from lingvo_gpipe.foundation import hyperparams
 from lingvo_gpipe.pipeline import gpipe
 from lingvo_gpipe.pipeline import pipeline_params
 from lingvo_gpipe.pipeline import schedule as schedule_lib
-from lingvo_gpipe.pipeline import schedule_actions
 from lingvo_gpipe.pipeline import steady_state
 from lingvo_gpipe.runners import base_runner
 from lingvo_gpipe.runners import jobs
@@ -82,7 +81,7 @@ LONG_TRACE_SECS = 5.0  # A trace this long gets the hint of _LoopLines.
 def _LoopLines(task: tf.Module, batch_size: int | None, traced: float) -> list[str]:
   """Per pipeline whose steady state 'auto' loops, a line saying so and how to unroll it; per
   pipeline that unrolls one after a trace of over LONG_TRACE_SECS (loop_steady_state False,
-  'auto' on a short one, forwards kept on tapes), how much repeats and how to trace that once
+  'auto' on a short one), how much repeats and how to trace that once
   (docs/pipeline.md)."""
   lines = []
   for pipe in jobs.Pipelines(task):
@@ -96,15 +95,6 @@ def _LoopLines(task: tf.Module, batch_size: int | None, traced: float) -> list[s
     windows = steady_state.Windows(instructions)
     repeated = sum(w.end - w.start for w in windows)
     counts = f'{repeated:,} of its {len(instructions):,} instructions repeat (a steady state)'
-    if p.remat == 'never' and not any(
-        i.kind == schedule_actions.INPUT_GRAD for i in instructions):  # Taped forwards.
-      if repeated and p.loop_steady_state is not False and traced > LONG_TRACE_SECS:
-        lines.append(
-            f"Pipeline {pipe.path}: {counts}, each traced on its own: remat='never' keeps each "
-            "forward on a tape, which no loop carries; remat='always' (e.g. "
-            "--model_params_override=\"task.stack.remat : 'always'\") traces one period: a "
-            'faster start, for a forward recomputed in each backward (docs/pipeline.md).')
-      continue
     if steady_state.Looped(windows, p) and p.loop_steady_state == 'auto':
       lines.append(
           f"Pipeline {pipe.path}: {counts}, run as one loop (loop_steady_state='auto'): a "
