@@ -1026,8 +1026,8 @@ def testUnevenMicroBatchesAreExact(sched, remat):
 def testXlaCompiledCellsWithDropoutEqualThePlainModel(sched):
   """jit_compile=True: XLA's random kernels give other numbers than TensorFlow's, yet the
   dropout masks are the uncompiled plain model's, also where a step runs uncompiled (zb_h1's
-  split B recomputes the forward outside the compiled functions). A forward kept on a tape
-  (remat 'never', 'except_last') would run uncompiled: refused."""
+  split B recomputes the forward outside the compiled functions). A forward that saves for its
+  backward (remat 'never', 'except_last') would run uncompiled: refused."""
   _AssertUnevenExact(_UnevenPipe(sched, 'always', jit_compile=True), _Input()[:10], _Loss)
   for remat in ('never', 'except_last'):
     with pytest.raises(ValueError, match=f"jit_compile=True needs remat='always', got "

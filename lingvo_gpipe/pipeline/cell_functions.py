@@ -171,6 +171,7 @@ class CellFunctions:
 
     self._forward = Function(self._Forward, **jit)
     self._saving_forward = Function(self._SavingForward, **options)
+    self._inlined_forward = Function(self._Forward, autograph=False)
     self._saved_backward = Function(self._SavedBackward, **options)
     self._saved_by, self._saved_layouts = [], []  # Per trace of _SavingForward: its graph,
     # and how its saved tensors come back (saved_forward.Pair, packing.Packing).
@@ -218,7 +219,7 @@ class CellFunctions:
     return out, acts, stats
 
   def _SavingForward(self, weights, args, where, step, training):
-    result, pair, saved = saved_forward.Forward(self._forward, self._Theta(weights), args,
+    result, pair, saved = saved_forward.Forward(self._inlined_forward, self._Theta(weights), args,
                                                 where, step, training)
     layout = packing.Packing(saved)
     self._saved_by.append(tf.compat.v1.get_default_graph())

@@ -154,7 +154,7 @@ class PipeliningLayer(base_layer.BaseLayer):
     direct_inputs.CheckPaths(p.last_chunk_inputs)
     if p.jit_compile and p.remat != 'always':
       raise ValueError(f"jit_compile=True needs remat='always', got remat={p.remat!r}: a "
-                       'forward kept for its backward runs on a gradient tape, uncompiled.')
+                       'forward that saves what its backward needs runs uncompiled.')
     if self.NumStagesOf(p) == 1 and p.virtual_stages > 1 and p.schedule == 'interleaved_1f1b':
       logging.warning('%s: interleaved_1f1b with virtual_stages=%d of %d cells runs on one '
                       'device, where interleaving does nothing: give virtual_stages x K cells '
