@@ -36,7 +36,6 @@ import contextlib
 import tensorflow as tf
 
 from lingvo_gpipe.foundation import py_utils
-from lingvo_gpipe.pipeline import cell_functions
 from lingvo_gpipe.pipeline import pass_results
 from lingvo_gpipe.pipeline import program
 from lingvo_gpipe.pipeline import schedule_actions
