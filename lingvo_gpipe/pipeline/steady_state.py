@@ -374,11 +374,14 @@ def _Loop(one, period, repeats, stride, run, plan=None):
 
   # Without automatic control dependencies: in a tf.function they make every value an
   # iteration hands on wait for all of its stateful ops (the calls), so no iteration would
-  # start before the last ended; each device's order is the actions' own tokens. Not
-  # inlined: inlined, such a function has no control outputs, and what is ordered after
-  # its call is not (the weight-gradient adds then race).
+  # start before the last ended; each device's order is the actions' own tokens. Its control
+  # output is the loop, so what is ordered after the call waits for the loop (without one,
+  # the weight-gradient adds after it raced). TensorFlow inlines the call: a call holds its
+  # inputs until it returns, so the values in flight at the loop's start would all stay
+  # until its end (1F1B, K=4, M=64: a peak 1.5x the unrolled one,
+  # docs/benchmarks/2026-12-08-saved-forward.md#memory).
   @py_utils.DistinctFunction(autograph=False, name='steady_state',
-                             experimental_attributes={'_disable_acd': True, '_noinline': True})
+                             experimental_attributes={'_disable_acd': True})
   def Loop(tensors, columns):
     arrays = [tf.TensorArray(dtype, size=repeats, element_shape=shape)
               for dtype, shape in specs]
@@ -386,6 +389,11 @@ def _Loop(one, period, repeats, stride, run, plan=None):
         lambda i, *_: i < repeats, Body,
         (tf.constant(0), tensors, arrays, _FedArrays(columns)),
         parallel_iterations=2 * len(one.devices) + 2)
+    graph = tf.compat.v1.get_default_graph()
+    loops = [op for op in graph.get_operations() if op.type in ('While', 'StatelessWhile')]
+    if len(loops) != 1:
+      raise RuntimeError(f'a steady-state loop should be one while op, found {loops}')
+    graph.control_outputs.extend(loops)
     return out_tensors, [[array.read(r) for r in range(repeats)] for array in arrays]
 
   out_tensors, reads = Loop(tensors, columns)

@@ -99,8 +99,8 @@ def _LoopLines(task: tf.Module, batch_size: int | None, traced: float) -> list[s
       lines.append(
           f"Pipeline {pipe.path}: {counts}, run as one loop (loop_steady_state='auto'): a "
           'faster start; loop_steady_state=False unrolls them, for steps that measured 2-15% '
-          'faster at layers of width 256, up to 1.5x at tiny ones, and a peak memory up to '
-          '1.5x lower (docs/pipeline.md).')
+          'faster at layers of width 256, up to 1.5x at tiny ones, and a lower peak memory '
+          '(docs/pipeline.md).')
     elif repeated and not steady_state.Looped(windows, p) and traced > LONG_TRACE_SECS:
       lines.append(
           f'Pipeline {pipe.path}: {counts}, each traced on its own (loop_steady_state='
