@@ -376,9 +376,9 @@ def _Loop(one, period, repeats, stride, run, plan=None):
   # iteration hands on wait for all of its stateful ops (the calls), so no iteration would
   # start before the last ended; each device's order is the actions' own tokens. Its control
   # output is the loop, so what is ordered after the call waits for the loop (without one,
-  # the weight-gradient adds after it raced). TensorFlow inlines the call: a call holds its
-  # inputs until it returns, so the values in flight at the loop's start would all stay
-  # until its end (1F1B, K=4, M=64: a peak 1.5x the unrolled one,
+  # the weight-gradient adds after it raced). The call is inlined: a call that is not holds
+  # its inputs until it returns, and every value in flight at the loop's start stayed until
+  # the loop's end (1F1B, K=4, M=64 without remat: a peak 1.5x the unrolled one,
   # docs/benchmarks/2026-12-08-saved-forward.md#memory).
   @py_utils.DistinctFunction(autograph=False, name='steady_state',
                              experimental_attributes={'_disable_acd': True})
